@@ -1,0 +1,7 @@
+// Umbrella header: the whole public API.
+#pragma once
+
+#include "moekit/error.h"
+#include "moekit/formats.h"
+#include "moekit/runtime.h"
+#include "moekit/tensor.h"

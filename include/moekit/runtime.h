@@ -1,0 +1,50 @@
+// CPU feature detection, instruction-set dispatch and threading controls.
+#pragma once
+
+#include <string>
+
+namespace moekit {
+
+struct CpuFeatures {
+  bool avx2 = false, fma = false, f16c = false;
+  bool avx512f = false, avx512bw = false, avx512vl = false, avx512dq = false;
+  bool avx512bf16 = false, avx512vnni = false, avx512vbmi = false;
+  bool os_saves_zmm = false, os_saves_ymm = false;
+};
+
+// Detected once (cpuid + xgetbv, so a hypervisor that hides ZMM state is respected).
+const CpuFeatures& cpu_features();
+
+// The instruction-set levels moekit has kernels for, in increasing order.
+//   avx2   = AVX2 + FMA + F16C
+//   avx512 = AVX-512 F/BW/VL/DQ (kernels use BF16/VNNI/VBMI only when those bits are set)
+enum class Isa { scalar = 0, avx2 = 1, avx512 = 2 };
+const char* isa_name(Isa isa);
+Isa parse_isa(const std::string& name);  // Error on unknown names
+bool isa_supported(Isa isa);
+Isa best_supported_isa();
+
+// The level kernels dispatch to: MOEKIT_ISA=scalar|avx2|avx512 if set (Error if this CPU
+// lacks it), else the best supported. set_active_isa overrides it for the process (tests
+// use it to run every path); ScopedIsa restores the previous choice.
+Isa active_isa();
+void set_active_isa(Isa isa);
+
+class ScopedIsa {
+ public:
+  explicit ScopedIsa(Isa isa) : previous_(active_isa()) { set_active_isa(isa); }
+  ~ScopedIsa() { set_active_isa(previous_); }
+  ScopedIsa(const ScopedIsa&) = delete;
+  ScopedIsa& operator=(const ScopedIsa&) = delete;
+
+ private:
+  Isa previous_;
+};
+
+// Threads used by moekit's parallel kernels: MOEKIT_NUM_THREADS if set, else OpenMP's
+// default. Results never depend on this number (work is split so that every output
+// element is computed by the same sequence of operations whatever the thread count).
+int num_threads();
+void set_num_threads(int n);
+
+}  // namespace moekit

@@ -1,0 +1,30 @@
+// Argument validation shared by every public call: each helper throws moekit::Error naming
+// the function, the argument, what was expected and what was given.
+#pragma once
+
+#include <initializer_list>
+#include <string>
+
+#include "moekit/error.h"
+#include "moekit/tensor.h"
+
+namespace moekit::detail {
+
+[[noreturn]] void fail(const char* fn, const std::string& arg, const std::string& expected,
+                       const std::string& actual);
+
+void check_defined(const char* fn, const char* arg, const Tensor& t);
+void check_cpu(const char* fn, const char* arg, const Tensor& t);
+void check_dtype(const char* fn, const char* arg, const Tensor& t,
+                 std::initializer_list<DType> allowed);
+void check_rank(const char* fn, const char* arg, const Tensor& t, int64_t rank);
+void check_shape(const char* fn, const char* arg, const Tensor& t, const Shape& expected);
+void check_last_dim_contiguous(const char* fn, const char* arg, const Tensor& t);
+void check_positive(const char* fn, const char* arg, int64_t value);
+// The common prologue: defined, on the CPU, one of the dtypes, the rank, unit last stride.
+void check_cpu_matrix(const char* fn, const char* arg, const Tensor& t,
+                      std::initializer_list<DType> allowed);
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace moekit::detail

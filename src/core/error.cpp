@@ -1,0 +1,71 @@
+#include "moekit/error.h"
+
+#include "check.h"
+
+namespace moekit {
+
+Error::Error(std::string function, std::string argument, std::string expected, std::string actual)
+    : std::runtime_error("moekit::" + function + ": argument '" + argument + "': expected " +
+                         expected + ", got " + actual),
+      function_(std::move(function)),
+      argument_(std::move(argument)),
+      expected_(std::move(expected)),
+      actual_(std::move(actual)) {}
+
+namespace detail {
+
+void fail(const char* fn, const std::string& arg, const std::string& expected,
+          const std::string& actual) {
+  throw Error(fn, arg, expected, actual);
+}
+
+void check_defined(const char* fn, const char* arg, const Tensor& t) {
+  if (!t.defined()) fail(fn, arg, "a defined tensor", "an undefined tensor");
+  if (t.data() == nullptr && t.numel() > 0) fail(fn, arg, "non-null data", "a null pointer");
+}
+
+void check_cpu(const char* fn, const char* arg, const Tensor& t) {
+  check_defined(fn, arg, t);
+  if (!t.device().is_cpu()) fail(fn, arg, "a tensor on cpu", "device " + t.device().str());
+}
+
+void check_dtype(const char* fn, const char* arg, const Tensor& t,
+                 std::initializer_list<DType> allowed) {
+  std::string names;
+  for (DType d : allowed) {
+    if (t.dtype() == d) return;
+    names += (names.empty() ? "" : " or ") + std::string(dtype_name(d));
+  }
+  fail(fn, arg, "dtype " + names, std::string("dtype ") + dtype_name(t.dtype()));
+}
+
+void check_rank(const char* fn, const char* arg, const Tensor& t, int64_t rank) {
+  if (t.dim() != rank)
+    fail(fn, arg, std::to_string(rank) + "-D tensor",
+         std::to_string(t.dim()) + "-D tensor " + shape_str(t.shape()));
+}
+
+void check_shape(const char* fn, const char* arg, const Tensor& t, const Shape& expected) {
+  if (t.shape() != expected) fail(fn, arg, "shape " + shape_str(expected), "shape " + shape_str(t.shape()));
+}
+
+void check_last_dim_contiguous(const char* fn, const char* arg, const Tensor& t) {
+  if (t.dim() > 0 && t.size(-1) > 1 && t.stride(-1) != 1)
+    fail(fn, arg, "unit stride in the last dimension",
+         "stride " + std::to_string(t.stride(-1)) + " (strides " + shape_str(t.strides()) + ")");
+}
+
+void check_positive(const char* fn, const char* arg, int64_t value) {
+  if (value <= 0) fail(fn, arg, "a positive value", std::to_string(value));
+}
+
+void check_cpu_matrix(const char* fn, const char* arg, const Tensor& t,
+                      std::initializer_list<DType> allowed) {
+  check_cpu(fn, arg, t);
+  check_dtype(fn, arg, t, allowed);
+  check_rank(fn, arg, t, 2);
+  check_last_dim_contiguous(fn, arg, t);
+}
+
+}  // namespace detail
+}  // namespace moekit

@@ -1,0 +1,264 @@
+#include "moekit/tensor.h"
+
+#include <cstdlib>
+#include <cstring>
+
+#include "check.h"
+#include "device_memory.h"
+
+namespace moekit {
+
+using detail::fail;
+
+size_t element_size(DType dtype) {
+  switch (dtype) {
+    case DType::f32: case DType::i32: return 4;
+    case DType::i64: return 8;
+    case DType::bf16: case DType::f16: return 2;
+    case DType::e4m3: case DType::e5m2: case DType::e2m1x2: case DType::ue8m0:
+    case DType::i8: case DType::u8: case DType::boolean: return 1;
+  }
+  return 1;
+}
+
+const char* dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::f32: return "f32";
+    case DType::bf16: return "bf16";
+    case DType::f16: return "f16";
+    case DType::e4m3: return "e4m3";
+    case DType::e5m2: return "e5m2";
+    case DType::e2m1x2: return "e2m1x2";
+    case DType::ue8m0: return "ue8m0";
+    case DType::i8: return "i8";
+    case DType::u8: return "u8";
+    case DType::i32: return "i32";
+    case DType::i64: return "i64";
+    case DType::boolean: return "bool";
+  }
+  return "?";
+}
+
+Device Device::parse(const std::string& text) {
+  if (text == "cpu") return cpu();
+  if (text == "cuda") return cuda(0);
+  if (text.rfind("cuda:", 0) == 0 && text.size() > 5) {
+    const std::string digits = text.substr(5);
+    if (digits.find_first_not_of("0123456789") == std::string::npos && digits.size() < 6)
+      return cuda(std::stoi(digits));
+  }
+  fail("Device::parse", "text", "\"cpu\", \"cuda\" or \"cuda:N\"", "\"" + text + "\"");
+}
+
+std::string Device::str() const {
+  return is_cpu() ? "cpu" : "cuda:" + std::to_string(index);
+}
+
+std::string shape_str(const Shape& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+namespace {
+
+Shape row_major_strides(const Shape& shape) {
+  Shape strides(shape.size());
+  int64_t running = 1;
+  for (size_t i = shape.size(); i-- > 0;) {
+    strides[i] = running;
+    running *= shape[i];
+  }
+  return strides;
+}
+
+int64_t checked_numel(const char* fn, const Shape& shape) {
+  int64_t n = 1;
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (shape[i] < 0)
+      fail(fn, "shape", "non-negative extents", shape_str(shape));
+    if (shape[i] != 0 && n > (int64_t{1} << 48) / shape[i])
+      fail(fn, "shape", "fewer than 2^48 elements", shape_str(shape));
+    n *= shape[i];
+  }
+  return n;
+}
+
+}  // namespace
+
+int64_t Tensor::numel() const {
+  int64_t n = 1;
+  for (int64_t s : shape_) n *= s;
+  return n;
+}
+
+bool Tensor::is_contiguous() const {
+  int64_t expected = 1;
+  for (size_t i = shape_.size(); i-- > 0;) {
+    if (shape_[i] != 1 && strides_[i] != expected) return false;
+    expected *= shape_[i];
+  }
+  return true;
+}
+
+int64_t Tensor::wrap_dim(int64_t d) const {
+  const int64_t n = dim();
+  if (d < -n || d >= n)
+    fail("Tensor", "dim", "a dimension in [" + std::to_string(-n) + ", " + std::to_string(n) + ")",
+         std::to_string(d));
+  return d < 0 ? d + n : d;
+}
+
+Tensor Tensor::empty(const Shape& shape, DType dtype, Device device) {
+  const int64_t n = checked_numel("Tensor::empty", shape);
+  // Round up to whole cache lines so vector kernels may touch the last line safely.
+  const size_t bytes = ((static_cast<size_t>(n) * moekit::element_size(dtype) + 63) / 64) * 64;
+  Tensor t;
+  if (device.is_cpu()) {
+    void* p = std::aligned_alloc(64, bytes == 0 ? 64 : bytes);
+    if (!p) fail("Tensor::empty", "shape", "an allocatable size", std::to_string(bytes) + " bytes");
+    t.storage_ = std::shared_ptr<void>(p, [](void* q) { std::free(q); });
+  } else {
+    void* p = detail::cuda_alloc(bytes == 0 ? 64 : bytes, device.index);
+    const int index = device.index;
+    t.storage_ = std::shared_ptr<void>(p, [index](void* q) { detail::cuda_free(q, index); });
+  }
+  t.data_ = t.storage_.get();
+  t.shape_ = shape;
+  t.strides_ = row_major_strides(shape);
+  t.dtype_ = dtype;
+  t.device_ = device;
+  t.defined_ = true;
+  return t;
+}
+
+Tensor Tensor::zeros(const Shape& shape, DType dtype, Device device) {
+  Tensor t = empty(shape, dtype, device);
+  const size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
+  if (device.is_cpu())
+    std::memset(t.data_, 0, bytes);
+  else
+    detail::cuda_memset_zero(t.data_, bytes, device.index);
+  return t;
+}
+
+Tensor Tensor::from_blob(void* data, const Shape& shape, DType dtype, Device device,
+                         const Shape& strides) {
+  const int64_t n = checked_numel("Tensor::from_blob", shape);
+  if (data == nullptr && n > 0) fail("Tensor::from_blob", "data", "non-null pointer", "nullptr");
+  if (!strides.empty() && strides.size() != shape.size())
+    fail("Tensor::from_blob", "strides", std::to_string(shape.size()) + " strides",
+         std::to_string(strides.size()));
+  for (int64_t s : strides)
+    if (s < 0) fail("Tensor::from_blob", "strides", "non-negative strides", shape_str(strides));
+  Tensor t;
+  t.data_ = data;
+  t.shape_ = shape;
+  t.strides_ = strides.empty() ? row_major_strides(shape) : strides;
+  t.dtype_ = dtype;
+  t.device_ = device;
+  t.defined_ = true;
+  return t;
+}
+
+Tensor Tensor::slice(int64_t d, int64_t start, int64_t end, int64_t step) const {
+  d = wrap_dim(d);
+  const int64_t n = shape_[d];
+  if (step <= 0) fail("Tensor::slice", "step", "a positive step", std::to_string(step));
+  if (start < 0) start += n;
+  if (end < 0) end += n;
+  end = std::min(end, n);
+  if (start < 0 || start > end)
+    fail("Tensor::slice", "start", "0 <= start <= end <= " + std::to_string(n),
+         "start " + std::to_string(start) + ", end " + std::to_string(end));
+  Tensor t = *this;
+  t.data_ = static_cast<char*>(data_) + start * strides_[d] * static_cast<int64_t>(element_size());
+  t.shape_[d] = (end - start + step - 1) / step;
+  t.strides_[d] = strides_[d] * step;
+  return t;
+}
+
+Tensor Tensor::select(int64_t d, int64_t index) const {
+  d = wrap_dim(d);
+  if (index < 0) index += shape_[d];
+  if (index < 0 || index >= shape_[d])
+    fail("Tensor::select", "index", "an index in [0, " + std::to_string(shape_[d]) + ")",
+         std::to_string(index));
+  Tensor t = *this;
+  t.data_ = static_cast<char*>(data_) + index * strides_[d] * static_cast<int64_t>(element_size());
+  t.shape_.erase(t.shape_.begin() + d);
+  t.strides_.erase(t.strides_.begin() + d);
+  return t;
+}
+
+Tensor Tensor::transpose(int64_t d0, int64_t d1) const {
+  d0 = wrap_dim(d0);
+  d1 = wrap_dim(d1);
+  Tensor t = *this;
+  std::swap(t.shape_[d0], t.shape_[d1]);
+  std::swap(t.strides_[d0], t.strides_[d1]);
+  return t;
+}
+
+Tensor Tensor::reshape(const Shape& shape) const {
+  if (!is_contiguous())
+    fail("Tensor::reshape", "self", "a contiguous tensor", "strides " + shape_str(strides_));
+  Shape resolved = shape;
+  int64_t known = 1, infer = -1;
+  for (size_t i = 0; i < resolved.size(); ++i) {
+    if (resolved[i] == -1 && infer < 0) {
+      infer = static_cast<int64_t>(i);
+    } else if (resolved[i] < 0) {
+      fail("Tensor::reshape", "shape", "non-negative extents and at most one -1", shape_str(shape));
+    } else {
+      known *= resolved[i];
+    }
+  }
+  if (infer >= 0) resolved[infer] = known == 0 ? 0 : numel() / known;
+  if (checked_numel("Tensor::reshape", resolved) != numel())
+    fail("Tensor::reshape", "shape", shape_str(shape_) + " (" + std::to_string(numel()) + " elements)",
+         shape_str(shape));
+  Tensor t = *this;
+  t.shape_ = resolved;
+  t.strides_ = row_major_strides(resolved);
+  return t;
+}
+
+void Tensor::copy_from(const Tensor& src) const {
+  detail::check_cpu("Tensor::copy_from", "self", *this);
+  detail::check_cpu("Tensor::copy_from", "src", src);
+  if (src.dtype() != dtype_)
+    fail("Tensor::copy_from", "src", std::string("dtype ") + dtype_name(dtype_),
+         std::string("dtype ") + dtype_name(src.dtype()));
+  detail::check_shape("Tensor::copy_from", "src", src, shape_);
+  const int64_t n = numel();
+  if (n == 0) return;
+  const size_t es = element_size();
+  // Walk both index spaces in row-major order with an odometer over the shape.
+  Shape index(shape_.size(), 0);
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t so = 0, doff = 0;
+    for (size_t k = 0; k < shape_.size(); ++k) {
+      so += index[k] * src.strides_[k];
+      doff += index[k] * strides_[k];
+    }
+    std::memcpy(static_cast<char*>(data_) + doff * es, static_cast<const char*>(src.data_) + so * es, es);
+    for (size_t k = shape_.size(); k-- > 0;) {
+      if (++index[k] < shape_[k]) break;
+      index[k] = 0;
+    }
+  }
+}
+
+Tensor Tensor::contiguous() const {
+  if (is_contiguous()) return *this;
+  Tensor t = empty(shape_, dtype_, device_);
+  t.copy_from(*this);
+  return t;
+}
+
+std::string Tensor::str() const {
+  return std::string(dtype_name(dtype_)) + shape_str(shape_) + " " + device_.str();
+}
+
+}  // namespace moekit

@@ -1,0 +1,39 @@
+// Per-ISA row kernels of the formats component. One generic implementation
+// (formats_simd.inc) is instantiated for each target by a small file that supplies the
+// vector operations (scalar, AVX2, AVX-512); dispatch.cpp picks the table at run time.
+#pragma once
+
+#include <cstdint>
+
+#include "moekit/runtime.h"
+
+namespace moekit::detail {
+
+enum class Narrow { e4m3 = 0, e5m2 = 1, e2m1 = 2 };  // e2m1 rows are packed two per byte
+enum class Wide { f32 = 0, bf16 = 1 };                // element type of the wide side
+
+// All spans are plain arrays. "gran" selects the scale of element i: sf[i / gran].
+struct FormatKernels {
+  // out[g] = max |x| over group g of gran elements (last group may be partial).
+  void (*amax_groups[2])(const void* x, int64_t n, int64_t gran, float* out);
+  // acc[i] = max(acc[i], |x[i]|).
+  void (*amax_accumulate[2])(const void* x, int64_t n, float* acc);
+  // q = narrow(x / sf[i / gran]); e2m1: n values into ceil(n/2) bytes, gran even or >= n.
+  void (*quantize[3][2])(const void* x, uint8_t* q, int64_t n, const float* sf, int64_t gran);
+  // out = wide(decode(q) * sf[i / gran]).
+  void (*dequantize[3][2])(const uint8_t* q, void* out, int64_t n, const float* sf, int64_t gran);
+  void (*f32_to_bf16)(const float* x, uint16_t* out, int64_t n);
+  void (*bf16_to_f32)(const uint16_t* x, float* out, int64_t n);
+};
+
+const FormatKernels& format_kernels_scalar();
+const FormatKernels& format_kernels_avx2();
+const FormatKernels& format_kernels_avx512();  // only called when the CPU has AVX-512
+const FormatKernels& format_kernels(Isa isa);
+inline const FormatKernels& format_kernels() { return format_kernels(active_isa()); }
+
+// Scalar element conversions (from the scalar instantiation; exact by construction).
+uint8_t encode_scalar(Narrow fmt, float x);
+float decode_scalar(Narrow fmt, uint8_t code);
+
+}  // namespace moekit::detail

@@ -1,0 +1,72 @@
+// AVX-512 target (16 lanes, F/BW/VL/DQ). Only reached via dispatch on CPUs that have it.
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "format_kernels.h"
+
+namespace moekit::detail {
+namespace {
+
+struct V {
+  static constexpr int N = 16;
+  using F = __m512;
+  using I = __m512i;
+  using M = __mmask16;
+
+  static I bits(F x) { return _mm512_castps_si512(x); }
+  static F from_bits(I x) { return _mm512_castsi512_ps(x); }
+  static I seti(int32_t x) { return _mm512_set1_epi32(x); }
+  static F set(float x) { return _mm512_set1_ps(x); }
+  static I and_(I a, I b) { return _mm512_and_si512(a, b); }
+  static I or_(I a, I b) { return _mm512_or_si512(a, b); }
+  static I add(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
+  static I min(I a, I b) { return _mm512_min_epi32(a, b); }
+  template <int k> static I shr(I a) { return _mm512_srli_epi32(a, k); }
+  template <int k> static I shl(I a) { return _mm512_slli_epi32(a, k); }
+  static M lt(I a, I b) { return _mm512_cmplt_epi32_mask(a, b); }
+  static M gt(I a, I b) { return _mm512_cmpgt_epi32_mask(a, b); }
+  static M eq(I a, I b) { return _mm512_cmpeq_epi32_mask(a, b); }
+  static I select(M m, I a, I b) { return _mm512_mask_blend_epi32(m, b, a); }
+
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F div(F a, F b) { return _mm512_div_ps(a, b); }
+  static F max(F a, F b) { return _mm512_max_ps(b, a); }  // NaN rule as the scalar target
+  static F abs(F a) { return from_bits(and_(bits(a), seti(0x7fffffff))); }
+  static F to_float(I a) { return _mm512_cvtepi32_ps(a); }
+  static float hmax(F a) {
+    alignas(64) float t[16];
+    _mm512_store_ps(t, a);
+    float m = t[0];
+    for (int i = 1; i < 16; ++i) m = t[i] > m ? t[i] : m;
+    return m;
+  }
+
+  static F load_f32(const float* p) { return _mm512_loadu_ps(p); }
+  static void store_f32(float* p, F a) { _mm512_storeu_ps(p, a); }
+  static I load_u16(const uint16_t* p) { return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static void store_u16(uint16_t* p, I a) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(a)); }
+  static I load_u8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static void store_u8(uint8_t* p, I a) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(a)); }
+  static I load_nibble_pairs(const uint8_t* p) {
+    const __m512i b = _mm512_cvtepu8_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m512i lo = _mm512_and_si512(b, _mm512_set1_epi64(0xf));
+    const __m512i hi = _mm512_slli_epi64(_mm512_srli_epi64(b, 4), 32);
+    return _mm512_or_si512(lo, hi);
+  }
+  static void store_nibble_pairs(uint8_t* p, I a) {
+    const __m512i m = _mm512_and_si512(a, _mm512_set1_epi32(0xf));
+    const __m512i pairs = _mm512_or_si512(m, _mm512_slli_epi64(_mm512_srli_epi64(m, 32), 4));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm512_cvtepi64_epi8(pairs));
+  }
+};
+
+#include "formats_simd.inc"
+
+}  // namespace
+
+const FormatKernels& format_kernels_avx512() { return make_table(); }
+
+}  // namespace moekit::detail

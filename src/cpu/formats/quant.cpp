@@ -1,0 +1,409 @@
+// Quantisation casts, dequantisation, scale packing and calc_diff (formats.md).
+// Rows are independent, so every cast parallelises over rows (or row blocks) with a static
+// schedule; each output element is computed the same way whatever the thread count.
+#include <omp.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <vector>
+
+#include "../../core/check.h"
+#include "../../core/device_memory.h"
+#include "format_kernels.h"
+#include "moekit/formats.h"
+#include "moekit/runtime.h"
+
+namespace moekit {
+
+using detail::ceil_div;
+using detail::check_cpu_matrix;
+using detail::check_shape;
+using detail::fail;
+using detail::Narrow;
+using detail::Wide;
+
+namespace {
+
+constexpr float kAmaxFloor = 1e-4f;
+constexpr float kE4m3Max = 448.0f;
+constexpr float kE2m1Max = 6.0f;
+// Below this many elements a cast runs on one thread: forking costs more than it saves.
+constexpr int64_t kParallelThreshold = 1 << 15;
+
+int threads_for(int64_t elements) { return elements >= kParallelThreshold ? num_threads() : 1; }
+
+Wide wide_of(const Tensor& t) { return t.dtype() == DType::bf16 ? Wide::bf16 : Wide::f32; }
+
+const char* row_ptr(const Tensor& t, int64_t r) {
+  return static_cast<const char*>(t.data()) + r * t.stride(0) * static_cast<int64_t>(t.element_size());
+}
+char* row_ptr_mut(const Tensor& t, int64_t r) { return const_cast<char*>(row_ptr(t, r)); }
+
+// 2^ceil(log2(sf)); non-finite scales (from inf/NaN inputs) pass through unchanged: this
+// runs inside parallel regions, where it must not throw.
+float ceil_pow2(float sf) noexcept {
+  if (!(sf > 0.0f) || !std::isfinite(sf)) return sf;
+  int exponent = 0;
+  return std::frexp(sf, &exponent) == 0.5f ? sf : std::ldexp(1.0f, exponent);
+}
+
+// sf = max(amax, 1e-4) / max_code in f32; rounded up to a power of two for ue8m0.
+float scale_from_amax(float amax, float max_code, bool use_ue8m0) noexcept {
+  const float sf = std::max(amax, kAmaxFloor) / max_code;
+  return use_ue8m0 ? ceil_pow2(sf) : sf;
+}
+
+void finish_scales(float* sf, int64_t n, float max_code, bool use_ue8m0) {
+  for (int64_t i = 0; i < n; ++i) sf[i] = scale_from_amax(sf[i], max_code, use_ue8m0);
+}
+
+void check_scales(const char* fn, const Tensor& sf, const Shape& shape) {
+  check_cpu_matrix(fn, "sf", sf, {DType::f32});
+  check_shape(fn, "sf", sf, shape);
+}
+
+void per_token_cast(const char* fn, const Tensor& x, const Tensor& q, const Tensor& sf,
+                    bool use_ue8m0, int64_t gran_k, Narrow fmt) {
+  check_cpu_matrix(fn, "x", x, {DType::f32, DType::bf16});
+  detail::check_positive(fn, "gran_k", gran_k);
+  const int64_t m = x.size(0), k = x.size(1);
+  const bool fp4 = fmt == Narrow::e2m1;
+  if (fp4 && gran_k % 2 != 0) fail(fn, "gran_k", "an even group size (fp4 packs two per byte)", std::to_string(gran_k));
+  check_cpu_matrix(fn, "q", q, {fp4 ? DType::e2m1x2 : DType::e4m3});
+  check_shape(fn, "q", q, {m, fp4 ? ceil_div(k, 2) : k});
+  check_scales(fn, sf, {m, ceil_div(k, gran_k)});
+  const auto& kern = detail::format_kernels();
+  const int wide = static_cast<int>(wide_of(x));
+  const float max_code = fp4 ? kE2m1Max : kE4m3Max;
+  const int64_t groups = ceil_div(k, gran_k);
+#pragma omp parallel for schedule(static) num_threads(threads_for(m * k))
+  for (int64_t r = 0; r < m; ++r) {
+    float* s = reinterpret_cast<float*>(row_ptr_mut(sf, r));
+    kern.amax_groups[wide](row_ptr(x, r), k, gran_k, s);
+    finish_scales(s, groups, max_code, use_ue8m0);
+    kern.quantize[static_cast<int>(fmt)][wide](row_ptr(x, r), reinterpret_cast<uint8_t*>(row_ptr_mut(q, r)), k, s, gran_k);
+  }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- per token
+void per_token_cast_to_fp8_into(const Tensor& x, const Tensor& q, const Tensor& sf, bool use_ue8m0,
+                                int64_t gran_k) {
+  per_token_cast("per_token_cast_to_fp8", x, q, sf, use_ue8m0, gran_k, Narrow::e4m3);
+}
+
+Quantized per_token_cast_to_fp8(const Tensor& x, bool use_ue8m0, int64_t gran_k) {
+  check_cpu_matrix("per_token_cast_to_fp8", "x", x, {DType::f32, DType::bf16});
+  detail::check_positive("per_token_cast_to_fp8", "gran_k", gran_k);
+  Quantized out{Tensor::empty(x.shape(), DType::e4m3), Tensor::empty({x.size(0), ceil_div(x.size(1), gran_k)}, DType::f32)};
+  per_token_cast_to_fp8_into(x, out.values, out.sf, use_ue8m0, gran_k);
+  return out;
+}
+
+void per_token_cast_to_fp4_into(const Tensor& x, const Tensor& q, const Tensor& sf, bool use_ue8m0,
+                                int64_t gran_k) {
+  per_token_cast("per_token_cast_to_fp4", x, q, sf, use_ue8m0, gran_k, Narrow::e2m1);
+}
+
+Quantized per_token_cast_to_fp4(const Tensor& x, bool use_ue8m0, int64_t gran_k) {
+  check_cpu_matrix("per_token_cast_to_fp4", "x", x, {DType::f32, DType::bf16});
+  detail::check_positive("per_token_cast_to_fp4", "gran_k", gran_k);
+  Quantized out{Tensor::empty({x.size(0), ceil_div(x.size(1), 2)}, DType::e2m1x2),
+                Tensor::empty({x.size(0), ceil_div(x.size(1), gran_k)}, DType::f32)};
+  per_token_cast_to_fp4_into(x, out.values, out.sf, use_ue8m0, gran_k);
+  return out;
+}
+
+// ---------------------------------------------------------------- per block
+void per_block_cast_to_fp8_into(const Tensor& x, const Tensor& q, const Tensor& sf, bool use_ue8m0,
+                                int64_t block_m, int64_t block_k) {
+  const char* fn = "per_block_cast_to_fp8";
+  check_cpu_matrix(fn, "x", x, {DType::f32, DType::bf16});
+  detail::check_positive(fn, "block_m", block_m);
+  detail::check_positive(fn, "block_k", block_k);
+  const int64_t m = x.size(0), k = x.size(1);
+  check_cpu_matrix(fn, "q", q, {DType::e4m3});
+  check_shape(fn, "q", q, {m, k});
+  check_scales(fn, sf, {ceil_div(m, block_m), ceil_div(k, block_k)});
+  const auto& kern = detail::format_kernels();
+  const int wide = static_cast<int>(wide_of(x));
+  const int64_t block_rows = ceil_div(m, block_m);
+#pragma omp parallel num_threads(threads_for(m * k))
+  {
+    std::vector<float> column_amax(static_cast<size_t>(k));
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < block_rows; ++b) {
+      const int64_t r0 = b * block_m, r1 = std::min(m, r0 + block_m);
+      std::fill(column_amax.begin(), column_amax.end(), 0.0f);
+      for (int64_t r = r0; r < r1; ++r) kern.amax_accumulate[wide](row_ptr(x, r), k, column_amax.data());
+      float* s = reinterpret_cast<float*>(row_ptr_mut(sf, b));
+      // The column maxima are non-negative, so the per-group max of them is the block amax.
+      kern.amax_groups[static_cast<int>(Wide::f32)](column_amax.data(), k, block_k, s);
+      finish_scales(s, ceil_div(k, block_k), kE4m3Max, use_ue8m0);
+      for (int64_t r = r0; r < r1; ++r)
+        kern.quantize[static_cast<int>(Narrow::e4m3)][wide](row_ptr(x, r), reinterpret_cast<uint8_t*>(row_ptr_mut(q, r)), k, s, block_k);
+    }
+  }
+}
+
+Quantized per_block_cast_to_fp8(const Tensor& x, bool use_ue8m0, int64_t block_m, int64_t block_k) {
+  const char* fn = "per_block_cast_to_fp8";
+  check_cpu_matrix(fn, "x", x, {DType::f32, DType::bf16});
+  detail::check_positive(fn, "block_m", block_m);
+  detail::check_positive(fn, "block_k", block_k);
+  Quantized out{Tensor::empty(x.shape(), DType::e4m3),
+                Tensor::empty({ceil_div(x.size(0), block_m), ceil_div(x.size(1), block_k)}, DType::f32)};
+  per_block_cast_to_fp8_into(x, out.values, out.sf, use_ue8m0, block_m, block_k);
+  return out;
+}
+
+// ---------------------------------------------------------------- per channel
+void per_channel_cast_to_fp8_into(const Tensor& x, const Tensor& q, const Tensor& sf, bool use_ue8m0,
+                                  int64_t gran_k) {
+  const char* fn = "per_channel_cast_to_fp8";
+  check_cpu_matrix(fn, "x", x, {DType::f32, DType::bf16});
+  detail::check_positive(fn, "gran_k", gran_k);
+  const int64_t k = x.size(0), mn = x.size(1);
+  check_cpu_matrix(fn, "q", q, {DType::e4m3});
+  check_shape(fn, "q", q, {k, mn});
+  check_scales(fn, sf, {ceil_div(k, gran_k), mn});
+  const auto& kern = detail::format_kernels();
+  const int wide = static_cast<int>(wide_of(x));
+#pragma omp parallel for schedule(static) num_threads(threads_for(k * mn))
+  for (int64_t g = 0; g < ceil_div(k, gran_k); ++g) {
+    const int64_t r0 = g * gran_k, r1 = std::min(k, r0 + gran_k);
+    float* s = reinterpret_cast<float*>(row_ptr_mut(sf, g));
+    std::fill(s, s + mn, 0.0f);
+    for (int64_t r = r0; r < r1; ++r) kern.amax_accumulate[wide](row_ptr(x, r), mn, s);
+    finish_scales(s, mn, kE4m3Max, use_ue8m0);
+    for (int64_t r = r0; r < r1; ++r)
+      kern.quantize[static_cast<int>(Narrow::e4m3)][wide](row_ptr(x, r), reinterpret_cast<uint8_t*>(row_ptr_mut(q, r)), mn, s, 1);
+  }
+}
+
+Quantized per_channel_cast_to_fp8(const Tensor& x, bool use_ue8m0, int64_t gran_k) {
+  const char* fn = "per_channel_cast_to_fp8";
+  check_cpu_matrix(fn, "x", x, {DType::f32, DType::bf16});
+  detail::check_positive(fn, "gran_k", gran_k);
+  Quantized out{Tensor::empty(x.shape(), DType::e4m3),
+                Tensor::empty({ceil_div(x.size(0), gran_k), x.size(1)}, DType::f32)};
+  per_channel_cast_to_fp8_into(x, out.values, out.sf, use_ue8m0, gran_k);
+  return out;
+}
+
+// ---------------------------------------------------------------- cast back
+namespace {
+
+// Scale row r/gran_m as f32, unpacking ue8m0 words when sf is i32.
+const float* scale_row(const Tensor& sf, int64_t sf_row, int64_t groups, std::vector<float>& scratch) {
+  if (sf.dtype() == DType::f32) return reinterpret_cast<const float*>(row_ptr(sf, sf_row));
+  const auto* words = reinterpret_cast<const uint8_t*>(row_ptr(sf, sf_row));
+  scratch.resize(static_cast<size_t>(groups));
+  for (int64_t g = 0; g < groups; ++g) scratch[g] = ue8m0_to_f32(words[g]);  // byte g = group g (little-endian)
+  return scratch.data();
+}
+
+void cast_back(const char* fn, const Tensor& q, const Tensor& sf, const Tensor& out, int64_t gran_m,
+               int64_t gran_k, Narrow fmt) {
+  const bool fp4 = fmt == Narrow::e2m1;
+  check_cpu_matrix(fn, "q", q, {fp4 ? DType::e2m1x2 : DType::e4m3});
+  check_cpu_matrix(fn, "out", out, {DType::f32, DType::bf16});
+  detail::check_positive(fn, "gran_m", gran_m);
+  detail::check_positive(fn, "gran_k", gran_k);
+  const int64_t m = out.size(0), k = out.size(1);
+  check_shape(fn, "q", q, {m, fp4 ? ceil_div(k, 2) : k});
+  if (fp4 && gran_k % 2 != 0 && gran_k < k) fail(fn, "gran_k", "an even group size for packed fp4", std::to_string(gran_k));
+  const int64_t groups = ceil_div(k, gran_k);
+  check_cpu_matrix(fn, "sf", sf, {DType::f32, DType::i32});
+  check_shape(fn, "sf", sf, {ceil_div(m, gran_m), sf.dtype() == DType::f32 ? groups : ceil_div(groups, 4)});
+  const auto& kern = detail::format_kernels();
+  const int wide = static_cast<int>(wide_of(out));
+#pragma omp parallel num_threads(threads_for(m * k))
+  {
+    std::vector<float> scratch;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < m; ++r) {
+      const float* s = scale_row(sf, r / gran_m, groups, scratch);
+      kern.dequantize[static_cast<int>(fmt)][wide](reinterpret_cast<const uint8_t*>(row_ptr(q, r)), row_ptr_mut(out, r), k, s, gran_k);
+    }
+  }
+}
+
+}  // namespace
+
+void cast_back_from_fp8_into(const Tensor& q, const Tensor& sf, const Tensor& out, int64_t gran_m, int64_t gran_k) {
+  if (q.defined() && q.device().is_cuda()) {
+    // GPU path (CUDA backend): same contract, f32 scales and f32 output on the same device.
+    const char* fn = "cast_back_from_fp8";
+    for (const auto& [name, t] : {std::pair<const char*, const Tensor*>{"sf", &sf}, {"out", &out}}) {
+      detail::check_defined(fn, name, *t);
+      if (t->device() != q.device()) fail(fn, name, "device " + q.device().str() + " (as q)", t->device().str());
+    }
+    detail::check_dtype(fn, "q", q, {DType::e4m3});
+    detail::check_dtype(fn, "sf", sf, {DType::f32});
+    detail::check_dtype(fn, "out", out, {DType::f32});
+    detail::check_rank(fn, "out", out, 2);
+    detail::check_positive(fn, "gran_m", gran_m);
+    detail::check_positive(fn, "gran_k", gran_k);
+    check_shape(fn, "q", q, out.shape());
+    check_shape(fn, "sf", sf, {ceil_div(out.size(0), gran_m), ceil_div(out.size(1), gran_k)});
+    for (const auto& [name, t] : {std::pair<const char*, const Tensor*>{"q", &q}, {"sf", &sf}, {"out", &out}})
+      detail::check_last_dim_contiguous(fn, name, *t);
+    return detail::cuda_cast_back_from_fp8(q, sf, out, gran_m, gran_k);
+  }
+  cast_back("cast_back_from_fp8", q, sf, out, gran_m, gran_k, Narrow::e4m3);
+}
+
+void cast_back_from_fp4_into(const Tensor& q, const Tensor& sf, const Tensor& out, int64_t gran_m, int64_t gran_k) {
+  cast_back("cast_back_from_fp4", q, sf, out, gran_m, gran_k, Narrow::e2m1);
+}
+
+Tensor cast_back_from_fp8(const Tensor& q, const Tensor& sf, DType out_dtype, int64_t gran_m, int64_t gran_k) {
+  check_cpu_matrix("cast_back_from_fp8", "q", q, {DType::e4m3});
+  Tensor out = Tensor::empty(q.shape(), out_dtype);
+  cast_back_from_fp8_into(q, sf, out, gran_m, gran_k);
+  return out;
+}
+
+Tensor cast_back_from_fp4(const Tensor& q, const Tensor& sf, DType out_dtype, int64_t gran_m, int64_t gran_k, int64_t k) {
+  check_cpu_matrix("cast_back_from_fp4", "q", q, {DType::e2m1x2});
+  if (k < 0) k = 2 * q.size(1);
+  if (ceil_div(k, 2) != q.size(1))
+    fail("cast_back_from_fp4", "k", "2*q.size(1) or 2*q.size(1)-1 (" + std::to_string(2 * q.size(1)) + ")", std::to_string(k));
+  Tensor out = Tensor::empty({q.size(0), k}, out_dtype);
+  cast_back_from_fp4_into(q, sf, out, gran_m, gran_k);
+  return out;
+}
+
+// ---------------------------------------------------------------- scale helpers
+Tensor ceil_to_ue8m0(const Tensor& sf) {
+  detail::check_cpu("ceil_to_ue8m0", "sf", sf);
+  detail::check_dtype("ceil_to_ue8m0", "sf", sf, {DType::f32});
+  const Tensor src = sf.contiguous();
+  Tensor out = Tensor::empty(sf.shape(), DType::f32);
+  const float* in = src.data_ptr<float>();
+  for (int64_t i = 0; i < src.numel(); ++i) out.data_ptr<float>()[i] = ceil_to_ue8m0(in[i]);
+  return out;
+}
+
+Tensor pack_ue8m0_to_int(const Tensor& sf) {
+  const char* fn = "pack_ue8m0_to_int";
+  check_cpu_matrix(fn, "sf", sf, {DType::f32});
+  const int64_t rows = sf.size(0), groups = sf.size(1), words = ceil_div(groups, 4);
+  Tensor out = Tensor::zeros({rows, words}, DType::i32);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* s = reinterpret_cast<const float*>(row_ptr(sf, r));
+    auto* bytes = reinterpret_cast<uint8_t*>(out.data_ptr<int32_t>() + r * words);
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint32_t bits = std::bit_cast<uint32_t>(s[g]);
+      if ((bits & 0x807fffffu) != 0 || bits == 0 || (bits >> 23) == 0xff)
+        fail(fn, "sf", "positive normal powers of two (use ceil_to_ue8m0 first)",
+             "sf[" + std::to_string(r) + ", " + std::to_string(g) + "] = " + std::to_string(s[g]));
+      bytes[g] = static_cast<uint8_t>(bits >> 23);  // little-endian: byte g%4 of word g/4
+    }
+  }
+  return out;
+}
+
+Tensor unpack_ue8m0_from_int(const Tensor& packed, int64_t groups) {
+  const char* fn = "unpack_ue8m0_from_int";
+  check_cpu_matrix(fn, "packed", packed, {DType::i32});
+  const int64_t rows = packed.size(0), words = packed.size(1);
+  if (groups < 0) groups = 4 * words;
+  if (ceil_div(groups, 4) != words)
+    fail(fn, "groups", "a count with ceil(groups/4) == " + std::to_string(words), std::to_string(groups));
+  Tensor out = Tensor::empty({rows, groups}, DType::f32);
+  for (int64_t r = 0; r < rows; ++r) {
+    const auto* bytes = reinterpret_cast<const uint8_t*>(row_ptr(packed, r));
+    for (int64_t g = 0; g < groups; ++g) out.data_ptr<float>()[r * groups + g] = ue8m0_to_f32(bytes[g]);
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------- convert
+void convert(const Tensor& src, const Tensor& dst) {
+  const char* fn = "convert";
+  detail::check_cpu(fn, "src", src);
+  detail::check_cpu(fn, "dst", dst);
+  if (!src.is_contiguous()) fail(fn, "src", "a contiguous tensor", "strides " + shape_str(src.strides()));
+  if (!dst.is_contiguous()) fail(fn, "dst", "a contiguous tensor", "strides " + shape_str(dst.strides()));
+  if (src.dim() == 0 || src.dim() != dst.dim()) fail(fn, "dst", "the rank of src (" + std::to_string(src.dim()) + ", at least 1)", std::to_string(dst.dim()));
+  auto is_wide = [](DType d) { return d == DType::f32 || d == DType::bf16; };
+  auto narrow_of = [&](DType d) -> int {
+    switch (d) {
+      case DType::e4m3: return static_cast<int>(Narrow::e4m3);
+      case DType::e5m2: return static_cast<int>(Narrow::e5m2);
+      case DType::e2m1x2: return static_cast<int>(Narrow::e2m1);
+      default: return -1;
+    }
+  };
+  const bool to_narrow = is_wide(src.dtype()) && narrow_of(dst.dtype()) >= 0;
+  const bool from_narrow = narrow_of(src.dtype()) >= 0 && is_wide(dst.dtype());
+  const bool wide_pair = is_wide(src.dtype()) && is_wide(dst.dtype());
+  if (!to_narrow && !from_narrow && !wide_pair)
+    fail(fn, "dst", "a supported pair (f32/bf16 <-> f32/bf16/e4m3/e5m2/e2m1x2)",
+         std::string(dtype_name(src.dtype())) + " -> " + dtype_name(dst.dtype()));
+  const Tensor& wide = to_narrow || wide_pair ? src : dst;
+  const Tensor& other = to_narrow || wide_pair ? dst : src;
+  const int64_t cols = wide.size(-1), rows = cols == 0 ? 0 : wide.numel() / cols;
+  Shape expected = wide.shape();
+  if (other.dtype() == DType::e2m1x2) expected.back() = ceil_div(cols, 2);
+  check_shape(fn, to_narrow || wide_pair ? "dst" : "src", other, expected);
+  const auto& kern = detail::format_kernels();
+  const float one = 1.0f;
+  const int64_t other_row_bytes = expected.back() * static_cast<int64_t>(other.element_size());
+  const int64_t wide_row_bytes = cols * static_cast<int64_t>(wide.element_size());
+#pragma omp parallel for schedule(static) num_threads(threads_for(rows * cols))
+  for (int64_t r = 0; r < rows; ++r) {
+    const char* w = static_cast<const char*>(wide.data()) + r * wide_row_bytes;
+    char* o = static_cast<char*>(other.data()) + r * other_row_bytes;
+    if (wide_pair) {
+      if (src.dtype() == dst.dtype()) std::copy(w, w + wide_row_bytes, o);
+      else if (src.dtype() == DType::f32) kern.f32_to_bf16(reinterpret_cast<const float*>(w), reinterpret_cast<uint16_t*>(o), cols);
+      else kern.bf16_to_f32(reinterpret_cast<const uint16_t*>(w), reinterpret_cast<float*>(o), cols);
+    } else if (to_narrow) {
+      kern.quantize[narrow_of(dst.dtype())][static_cast<int>(wide_of(src))](w, reinterpret_cast<uint8_t*>(o), cols, &one, cols);
+    } else {
+      kern.dequantize[narrow_of(src.dtype())][static_cast<int>(wide_of(dst))](reinterpret_cast<const uint8_t*>(o), const_cast<char*>(w), cols, &one, cols);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- calc_diff
+double calc_diff(const Tensor& x, const Tensor& y) {
+  const char* fn = "calc_diff";
+  detail::check_cpu(fn, "x", x);
+  detail::check_cpu(fn, "y", y);
+  detail::check_dtype(fn, "x", x, {DType::f32, DType::bf16});
+  detail::check_dtype(fn, "y", y, {DType::f32, DType::bf16});
+  check_shape(fn, "y", y, x.shape());
+  const Tensor a = x.contiguous(), b = y.contiguous();
+  const int64_t n = a.numel();
+  auto value = [](const Tensor& t, int64_t i) {
+    return t.dtype() == DType::f32 ? static_cast<double>(t.data_ptr<float>()[i])
+                                   : static_cast<double>(bf16_to_f32(t.data_ptr<uint16_t>()[i]));
+  };
+  // Fixed chunks summed in order: the same result for any thread count.
+  constexpr int64_t kChunk = 1 << 16;
+  const int64_t chunks = ceil_div(n, kChunk);
+  std::vector<double> dot(static_cast<size_t>(chunks)), norm(static_cast<size_t>(chunks));
+#pragma omp parallel for schedule(static) num_threads(threads_for(n))
+  for (int64_t c = 0; c < chunks; ++c) {
+    double d = 0.0, s = 0.0;
+    for (int64_t i = c * kChunk; i < std::min(n, (c + 1) * kChunk); ++i) {
+      const double u = value(a, i), v = value(b, i);
+      d += u * v;
+      s += u * u + v * v;
+    }
+    dot[c] = d;
+    norm[c] = s;
+  }
+  double d = 0.0, s = 0.0;
+  for (int64_t c = 0; c < chunks; ++c) d += dot[c], s += norm[c];
+  if (s == 0.0) return 0.0;
+  return 1.0 - 2.0 * d / s;
+}
+
+}  // namespace moekit

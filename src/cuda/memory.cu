@@ -1,0 +1,36 @@
+// CUDA device memory for moekit::Tensor (built only with MOEKIT_CUDA).
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "core/check.h"
+#include "core/device_memory.h"
+
+namespace moekit::detail {
+
+namespace {
+void check_cuda(cudaError_t status, const char* fn, int device) {
+  if (status != cudaSuccess)
+    fail(fn, "device", "a working CUDA device", "cuda:" + std::to_string(device) + " (" + cudaGetErrorString(status) + ")");
+}
+}  // namespace
+
+bool cuda_backend_built() { return true; }
+
+void* cuda_alloc(size_t bytes, int device) {
+  check_cuda(cudaSetDevice(device), "Tensor::empty", device);
+  void* p = nullptr;
+  check_cuda(cudaMalloc(&p, bytes), "Tensor::empty", device);
+  return p;
+}
+
+void cuda_free(void* ptr, int device) noexcept {
+  if (cudaSetDevice(device) == cudaSuccess) cudaFree(ptr);
+}
+
+void cuda_memset_zero(void* ptr, size_t bytes, int device) {
+  check_cuda(cudaSetDevice(device), "Tensor::zeros", device);
+  check_cuda(cudaMemset(ptr, 0, bytes), "Tensor::zeros", device);
+}
+
+}  // namespace moekit::detail

@@ -1,0 +1,60 @@
+#include "bench_common.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <nlohmann/json.hpp>
+
+namespace moekit::tools {
+
+Timing time_it(const std::function<void()>& fn, int repeats, int warmup) {
+  for (int i = 0; i < warmup; ++i) fn();
+  std::vector<double> us;
+  for (int i = 0; i < repeats; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    fn();
+    us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::sort(us.begin(), us.end());
+  return {us[us.size() / 2], us.front(), repeats};
+}
+
+void Reporter::header(const std::string& suite, const std::map<std::string, double>& ceilings) {
+  if (json) {
+    nlohmann::json j = {{"suite", suite}};
+    for (const auto& [name, value] : ceilings) j["ceilings"][name] = value;
+    fmt::print("{}\n", j.dump());
+    return;
+  }
+  fmt::print("\n== moekit bench {} ==\n", suite);
+  for (const auto& [name, value] : ceilings) fmt::print("ceiling {} = {:.2f}\n", name, value);
+  fmt::print("{:<26} {:<22} {:<7} {:>3} {:>11} {:>9} {:>6}  {:<18} {:>11} {:>7} {:>9}\n", "kernel", "shape", "dtype", "thr",
+             "time_us", "value", "%ceil", "peer", "peer_us", "speedup", "calc_diff");
+}
+
+void Reporter::print(const Row& r) {
+  const bool flops = r.tflops >= 0;
+  const double value = flops ? r.tflops : r.gbps;
+  const double pct = r.ceiling_value > 0 ? 100.0 * value / r.ceiling_value : 0.0;
+  const double speedup = r.peer_time.median_us > 0 ? r.peer_time.median_us / r.time.median_us : 0.0;
+  if (json) {
+    nlohmann::json j = {{"kernel", r.kernel}, {"shape", r.shape}, {"dtype", r.dtype}, {"backend", r.backend},
+                        {"threads", r.threads}, {"time_us", r.time.median_us}, {"min_time_us", r.time.min_us},
+                        {"runs", r.time.runs}, {"ceiling", r.ceiling}, {"ceiling_value", r.ceiling_value},
+                        {"pct_of_ceiling", pct}, {"peer", r.peer}, {"peer_time_us", r.peer_time.median_us},
+                        {"speedup_vs_peer", speedup}, {"calc_diff", r.calc_diff}};
+    j[flops ? "tflops" : "gbps"] = value;
+    for (const auto& [k, v] : r.sizes) j[k] = v;
+    for (const auto& [k, v] : r.notes) j[k] = v;
+    fmt::print("{}\n", j.dump());
+    return;
+  }
+  std::string notes;
+  for (const auto& [k, v] : r.notes) notes += fmt::format(" {}={}", k, v);
+  fmt::print("{:<26} {:<22} {:<7} {:>3} {:>11.1f} {:>6.1f}{:<3} {:>5.1f}%  {:<18} {:>11.1f} {:>6.2f}x {:>9.2e}{}\n", r.kernel,
+             r.shape, r.dtype, r.threads, r.time.median_us, value, flops ? " TF" : " GB", pct, r.peer,
+             r.peer_time.median_us, speedup, r.calc_diff, notes);
+}
+
+}  // namespace moekit::tools

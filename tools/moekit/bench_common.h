@@ -1,0 +1,48 @@
+// Benchmark rows and timing (shared/spec/benchmarks.md).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace moekit::tools {
+
+struct Timing {
+  double median_us = 0, min_us = 0;
+  int runs = 0;
+};
+
+// Warm-up runs, then `repeats` timed runs (median and min).
+Timing time_it(const std::function<void()>& fn, int repeats = 10, int warmup = 1);
+
+struct Row {
+  std::string kernel, shape, dtype, backend = "cpu";
+  int threads = 1;
+  Timing time;
+  double tflops = -1, gbps = -1;  // the one that applies is >= 0
+  std::string ceiling;            // bf16_flops, read_bw, copy_bw
+  double ceiling_value = 0;       // in the unit of tflops/gbps
+  std::string peer;
+  Timing peer_time;
+  double calc_diff = -1;
+  std::map<std::string, int64_t> sizes;       // m, n, k, ...
+  std::map<std::string, std::string> notes;   // extra facts (bit_exact, checked_rows, ...)
+};
+
+struct Reporter {
+  bool json = false;
+  void print(const Row& row);
+  void header(const std::string& suite, const std::map<std::string, double>& ceilings);
+};
+
+struct BenchOptions {
+  bool json = false;
+  bool quick = false;  // smaller sizes, fewer repeats (smoke runs)
+  int repeats = 10;
+};
+
+void bench_formats(const BenchOptions& options);
+
+}  // namespace moekit::tools

@@ -1,0 +1,142 @@
+// `moekit bench formats`: quantisation casts in GB/s against the measured read bandwidth.
+// Working sets are 256 MiB inputs (8x the 32 MiB L3), so every run streams from DRAM.
+// Peer: the same call on moekit's portable (scalar-ISA) path, which is what the code
+// compiles to without the AVX2/AVX-512 kernels. Correctness: the first rows are re-done by
+// the f64 oracle (src/reference) and compared bit for bit and by calc_diff.
+#include <fmt/format.h>
+
+#include <cstring>
+#include <random>
+
+#include "bench_common.h"
+#include "moekit/formats.h"
+#include "moekit/runtime.h"
+#include "peak.h"
+#include "reference.h"
+
+namespace moekit::tools {
+
+namespace {
+
+// Deterministic pseudo-normal bf16 data with a per-row magnitude spread (like activations).
+Tensor random_bf16(int64_t rows, int64_t cols, uint64_t seed) {
+  Tensor t = Tensor::empty({rows, cols}, DType::bf16);
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    std::mt19937_64 rng(seed * 1000003 + static_cast<uint64_t>(r));
+    std::normal_distribution<float> dist(0.0f, 1.0f + static_cast<float>(r % 7));
+    auto* row = t.data_ptr<uint16_t>() + r * cols;
+    for (int64_t c = 0; c < cols; ++c) row[c] = f32_to_bf16(dist(rng));
+  }
+  return t;
+}
+
+Tensor prefaulted(const Shape& shape, DType dtype) { return Tensor::zeros(shape, dtype); }
+
+bool same_bytes(const Tensor& a, const Tensor& b, int64_t rows) {
+  const size_t bytes = static_cast<size_t>(rows * a.stride(0)) * a.element_size();
+  return std::memcmp(a.data(), b.data(), bytes) == 0;
+}
+
+int64_t bytes_of(const Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
+
+struct CastCase {
+  std::string kernel;
+  bool fp4 = false;
+  bool use_ue8m0 = false;
+  int64_t check_rows = 128;  // rows re-done by the oracle (one full scale block)
+};
+
+}  // namespace
+
+void bench_formats(const BenchOptions& o) {
+  const int64_t rows = o.quick ? 1024 : 16384, cols = 8192;  // bf16: 256 MiB (quick: 16 MiB)
+  const int repeats = o.quick ? 3 : o.repeats;
+  const double read_bw = measure_read_bandwidth(int64_t{512} << 20, o.quick ? 2 : 5) / 1e9;
+  Reporter rep{o.json};
+  rep.header("formats", {{"read_bw_GBps", read_bw}});
+
+  const Tensor x = random_bf16(rows, cols, 1);
+  const CastCase cases[] = {{"per_token_cast_to_fp8", false, false, 128},
+                            {"per_token_cast_to_fp8", false, true, 128},
+                            {"per_block_cast_to_fp8", false, false, 128},
+                            {"per_channel_cast_to_fp8", false, false, 128},
+                            {"per_token_cast_to_fp4", true, false, 128}};
+  for (const CastCase& c : cases) {
+    const bool block = c.kernel == "per_block_cast_to_fp8", channel = c.kernel == "per_channel_cast_to_fp8";
+    const int64_t gran = c.fp4 ? 32 : 128;
+    const Tensor q = prefaulted({rows, c.fp4 ? cols / 2 : cols}, c.fp4 ? DType::e2m1x2 : DType::e4m3);
+    const Tensor sf = prefaulted(block ? Shape{rows / 128, cols / 128} : channel ? Shape{rows / gran, cols} : Shape{rows, cols / gran}, DType::f32);
+    auto run = [&] {
+      if (block) per_block_cast_to_fp8_into(x, q, sf, c.use_ue8m0);
+      else if (channel) per_channel_cast_to_fp8_into(x, q, sf, c.use_ue8m0, gran);
+      else if (c.fp4) per_token_cast_to_fp4_into(x, q, sf, c.use_ue8m0, gran);
+      else per_token_cast_to_fp8_into(x, q, sf, c.use_ue8m0, gran);
+    };
+    Row row;
+    row.kernel = c.kernel;
+    row.time = time_it(run, repeats);
+    {
+      ScopedIsa portable(Isa::scalar);
+      row.peer_time = time_it(run, o.quick ? 1 : 3);
+    }
+    run();  // leave the fast path's output for the check
+    // Oracle on the first check_rows rows (a whole 128-row block / channel group).
+    const Tensor xs = x.slice(0, 0, c.check_rows);
+    const Quantized want = block ? ref::per_block_cast_to_fp8(xs, c.use_ue8m0)
+                           : channel ? ref::per_channel_cast_to_fp8(xs, c.use_ue8m0, gran)
+                           : c.fp4 ? ref::per_token_cast_to_fp4(xs, c.use_ue8m0, gran)
+                                   : ref::per_token_cast_to_fp8(xs, c.use_ue8m0, gran);
+    const int64_t sf_rows = want.sf.size(0);
+    const bool exact = same_bytes(q, want.values, c.check_rows) && same_bytes(sf, want.sf, sf_rows);
+    const int64_t gm = block ? 128 : channel ? gran : 1, gk = block ? 128 : channel ? 1 : gran;
+    row.calc_diff = ref::calc_diff(ref::dequantize(q.slice(0, 0, c.check_rows), sf.slice(0, 0, sf_rows), gm, gk, cols),
+                                   ref::dequantize(want.values, want.sf, gm, gk, cols));
+    row.shape = fmt::format("{}x{}", rows, cols);
+    row.dtype = c.fp4 ? "bf16->fp4" : "bf16->fp8";
+    if (c.use_ue8m0) row.dtype += ",ue8m0";
+    row.threads = num_threads();
+    row.gbps = static_cast<double>(bytes_of(x) + bytes_of(q) + bytes_of(sf)) / (row.time.median_us * 1e3);
+    row.ceiling = "read_bw";
+    row.ceiling_value = read_bw;
+    row.peer = "moekit scalar-ISA";
+    row.sizes = {{"m", rows}, {"k", cols}};
+    row.notes = {{"bit_exact_vs_oracle", exact ? "yes" : "NO"}, {"checked_rows", std::to_string(c.check_rows)}};
+    rep.print(row);
+  }
+
+  // Dequantisation: fp8 / fp4 values (+ scales) to bf16.
+  for (const bool fp4 : {false, true}) {
+    const int64_t k = 2 * cols, gran = fp4 ? 32 : 128;
+    const Quantized qz = fp4 ? per_token_cast_to_fp4(random_bf16(rows, k, 2), false, gran)
+                             : per_token_cast_to_fp8(random_bf16(rows, k, 2), false, gran);
+    const Tensor out = prefaulted({rows, k}, DType::bf16);
+    auto run = [&] {
+      if (fp4) cast_back_from_fp4_into(qz.values, qz.sf, out, 1, gran);
+      else cast_back_from_fp8_into(qz.values, qz.sf, out, 1, gran);
+    };
+    Row row;
+    row.kernel = fp4 ? "cast_back_from_fp4" : "cast_back_from_fp8";
+    row.time = time_it(run, repeats);
+    {
+      ScopedIsa portable(Isa::scalar);
+      row.peer_time = time_it(run, o.quick ? 1 : 3);
+    }
+    run();
+    const int64_t check = 128;
+    const Tensor want = ref::to_tensor(ref::dequantize(qz.values.slice(0, 0, check), qz.sf.slice(0, 0, check), 1, gran, k), check, k, DType::bf16);
+    row.calc_diff = calc_diff(out.slice(0, 0, check), want);
+    row.shape = fmt::format("{}x{}", rows, k);
+    row.dtype = fp4 ? "fp4->bf16" : "fp8->bf16";
+    row.threads = num_threads();
+    row.gbps = static_cast<double>(bytes_of(qz.values) + bytes_of(qz.sf) + bytes_of(out)) / (row.time.median_us * 1e3);
+    row.ceiling = "read_bw";
+    row.ceiling_value = read_bw;
+    row.peer = "moekit scalar-ISA";
+    row.sizes = {{"m", rows}, {"k", k}};
+    row.notes = {{"bit_exact_vs_oracle", same_bytes(out, want, check) ? "yes" : "NO"}, {"checked_rows", std::to_string(check)}};
+    rep.print(row);
+  }
+}
+
+}  // namespace moekit::tools

@@ -1,0 +1,156 @@
+// Ceilings measured several ways; each keeps its best way (a ceiling that reads low would
+// flatter every "% of ceiling" figure).
+#include "peak.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+
+#include "moekit/runtime.h"
+
+namespace moekit::tools {
+
+namespace {
+
+double now_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// Runs body(thread, threads) on `threads` threads; returns the best wall time of `repeats`.
+double best_time(int threads, int repeats, const std::function<void(int, int)>& body) {
+  double best = 1e30;
+  for (int r = 0; r < repeats; ++r) {
+    double start = 0, stop = 0;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp barrier
+#pragma omp single
+      start = now_seconds();
+      body(omp_get_thread_num(), threads);
+#pragma omp barrier
+#pragma omp single
+      stop = now_seconds();
+    }
+    best = std::min(best, stop - start);
+  }
+  return best;
+}
+
+struct Buffer {
+  std::unique_ptr<char, decltype(&std::free)> data{nullptr, &std::free};
+  int64_t bytes = 0;
+};
+
+// First touch from the threads that will read it (page placement), 4 KiB aligned.
+Buffer make_buffer(int64_t bytes, int threads) {
+  Buffer b;
+  b.bytes = bytes;
+  b.data.reset(static_cast<char*>(std::aligned_alloc(4096, static_cast<size_t>(bytes))));
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num();
+    const int64_t chunk = bytes / threads / 4096 * 4096;
+    const int64_t begin = t * chunk, end = t == threads - 1 ? bytes : begin + chunk;
+    std::memset(b.data.get() + begin, t + 1, static_cast<size_t>(end - begin));
+  }
+  return b;
+}
+
+// Thread t's 4 KiB-aligned share of [0, bytes).
+std::pair<int64_t, int64_t> share(int64_t bytes, int t, int threads) {
+  const int64_t chunk = bytes / threads / 4096 * 4096;
+  return {t * chunk, t == threads - 1 ? bytes / 4096 * 4096 - t * chunk : chunk};
+}
+
+void keep_best(std::vector<Ceiling>& out, Ceiling c) {
+  for (Ceiling& e : out)
+    if (e.name == c.name && e.threads == c.threads) {
+      if (c.value > e.value) e = c;
+      return;
+    }
+  out.push_back(std::move(c));
+}
+
+void measure_compute(std::vector<Ceiling>& out, int threads, int repeats) {
+  const CpuFeatures& f = cpu_features();
+  const int64_t iterations = 20'000'000;
+  auto flops = [&](double (*loop)(int64_t)) {
+    const double ops = loop(1000);  // per-thread operations of one call at `iterations`
+    const double per_call = ops / 1000 * static_cast<double>(iterations);
+    const double t = best_time(threads, repeats, [&](int, int) { loop(iterations); });
+    return per_call * threads / t;
+  };
+  if (isa_supported(Isa::avx2)) {
+    const double v = flops(&kernels::fma_f32_avx2);
+    keep_best(out, {"f32_flops", "avx2 vfmadd231ps ymm", threads, v});
+    // bf16 values are exact in f32, so an f32 FMA on widened bf16 is a bf16 dot: the
+    // ceiling for bf16 math on CPUs without AVX512_BF16.
+    keep_best(out, {"bf16_flops", "f32 FMA on widened bf16 (avx2)", threads, v});
+  }
+  if (isa_supported(Isa::avx512)) {
+    const double v = flops(&kernels::fma_f32_avx512);
+    keep_best(out, {"f32_flops", "avx512 vfmadd231ps zmm", threads, v});
+    keep_best(out, {"bf16_flops", "f32 FMA on widened bf16 (avx512)", threads, v});
+    if (f.avx512bf16) keep_best(out, {"bf16_flops", "avx512_bf16 vdpbf16ps zmm", threads, flops(&kernels::dot_bf16_avx512)});
+  }
+}
+
+double read_bandwidth(const Buffer& b, int threads, int repeats, void (*loop)(const void*, int64_t, int64_t*)) {
+  std::vector<int64_t> sinks(static_cast<size_t>(threads) * 8, 0);
+  const double t = best_time(threads, repeats, [&](int id, int n) {
+    const auto [begin, len] = share(b.bytes, id, n);
+    loop(b.data.get() + begin, len, &sinks[static_cast<size_t>(id) * 8]);
+  });
+  return static_cast<double>(b.bytes / 4096 * 4096) / t;
+}
+
+}  // namespace
+
+double measure_read_bandwidth(int64_t bytes, int repeats) {
+  const int threads = num_threads();
+  const Buffer b = make_buffer(bytes, threads);
+  double best = 0;
+  if (isa_supported(Isa::avx2)) best = std::max(best, read_bandwidth(b, threads, repeats, &kernels::read_avx2));
+  if (isa_supported(Isa::avx512)) best = std::max(best, read_bandwidth(b, threads, repeats, &kernels::read_avx512));
+  return best;
+}
+
+std::vector<Ceiling> measure_peak(const PeakOptions& options) {
+  std::vector<Ceiling> out;
+  const int all = num_threads();
+  std::vector<int> counts = {1};
+  if (all > 1) counts.push_back(all);
+  for (int t : counts) measure_compute(out, t, options.repeats);
+
+  const Buffer src = make_buffer(options.bandwidth_bytes, all);
+  for (int t : counts) {
+    if (isa_supported(Isa::avx2))
+      keep_best(out, {"read_bw", "avx2 loads, 4 xor chains", t, read_bandwidth(src, t, options.repeats, &kernels::read_avx2)});
+    if (isa_supported(Isa::avx512))
+      keep_best(out, {"read_bw", "avx512 loads, 4 xor chains", t, read_bandwidth(src, t, options.repeats, &kernels::read_avx512)});
+  }
+  const Buffer dst = make_buffer(options.bandwidth_bytes, all);
+  const double copied = 2.0 * static_cast<double>(src.bytes / 4096 * 4096);  // read + write, as STREAM counts
+  for (int t : counts) {
+    const double t_memcpy = best_time(t, options.repeats, [&](int id, int n) {
+      const auto [begin, len] = share(src.bytes, id, n);
+      std::memcpy(dst.data.get() + begin, src.data.get() + begin, static_cast<size_t>(len));
+    });
+    keep_best(out, {"copy_bw", "memcpy", t, copied / t_memcpy});
+    if (isa_supported(Isa::avx2)) {
+      const double t_stream = best_time(t, options.repeats, [&](int id, int n) {
+        const auto [begin, len] = share(src.bytes, id, n);
+        kernels::copy_stream_avx2(src.data.get() + begin, dst.data.get() + begin, len);
+      });
+      keep_best(out, {"copy_bw", "avx2 loads + non-temporal stores", t, copied / t_stream});
+    }
+  }
+  return out;
+}
+
+}  // namespace moekit::tools

@@ -1,0 +1,36 @@
+// `moekit peak`: this machine's measured ceilings (benchmarks.md "Ceilings").
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace moekit::tools {
+
+struct Ceiling {
+  std::string name;    // bf16_flops, f32_flops, read_bw, copy_bw
+  std::string method;  // the way that gave the best figure
+  int threads = 1;
+  double value = 0;    // FLOP/s or bytes/s
+};
+
+struct PeakOptions {
+  int64_t bandwidth_bytes = int64_t{1} << 30;  // per array; far above the last-level cache
+  int repeats = 7;
+};
+
+std::vector<Ceiling> measure_peak(const PeakOptions& options);
+// The best all-thread read bandwidth (bytes/s), measured quickly for benchmark suites.
+double measure_read_bandwidth(int64_t bytes, int repeats);
+
+// ISA-specific loops (peak_avx2.cpp / peak_avx512.cpp). Each returns the operations done.
+namespace kernels {
+double fma_f32_avx2(int64_t iterations);          // FLOPs
+double fma_f32_avx512(int64_t iterations);
+double dot_bf16_avx512(int64_t iterations);       // FLOPs (vdpbf16ps)
+void read_avx2(const void* data, int64_t bytes, int64_t* sink);
+void read_avx512(const void* data, int64_t bytes, int64_t* sink);
+void copy_stream_avx2(const void* src, void* dst, int64_t bytes);
+}  // namespace kernels
+
+}  // namespace moekit::tools

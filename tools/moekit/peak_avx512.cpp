@@ -1,0 +1,55 @@
+// AVX-512 loops; only called when the CPU has AVX-512 (BF16 for the dot loop).
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "peak.h"
+
+namespace moekit::tools::kernels {
+
+double fma_f32_avx512(int64_t iterations) {
+  __m512 acc[12];
+  for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i) * 1e-3f);
+  const __m512 a = _mm512_set1_ps(0.999999f), b = _mm512_set1_ps(1e-7f);
+  for (int64_t it = 0; it < iterations; ++it) {
+#pragma GCC unroll 12
+    for (int i = 0; i < 12; ++i) acc[i] = _mm512_fmadd_ps(acc[i], a, b);
+  }
+  __m512 s = acc[0];
+  for (int i = 1; i < 12; ++i) s = _mm512_add_ps(s, acc[i]);
+  volatile float sink = _mm512_reduce_add_ps(s);
+  (void)sink;
+  return static_cast<double>(iterations) * 12 * 16 * 2;
+}
+
+// vdpbf16ps: 32 bf16 products + adds per instruction = 64 FLOPs.
+double dot_bf16_avx512(int64_t iterations) {
+  __m512 acc[12];
+  for (int i = 0; i < 12; ++i) acc[i] = _mm512_setzero_ps();
+  const __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80), b = (__m512bh)_mm512_set1_epi16(0x3380);
+  for (int64_t it = 0; it < iterations; ++it) {
+#pragma GCC unroll 12
+    for (int i = 0; i < 12; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
+  }
+  __m512 s = acc[0];
+  for (int i = 1; i < 12; ++i) s = _mm512_add_ps(s, acc[i]);
+  volatile float sink = _mm512_reduce_add_ps(s);
+  (void)sink;
+  return static_cast<double>(iterations) * 12 * 32 * 2;
+}
+
+void read_avx512(const void* data, int64_t bytes, int64_t* sink) {
+  const auto* p = static_cast<const __m512i*>(data);
+  const int64_t n = bytes / 64;
+  __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t i = 0; i + 4 <= n; i += 4) {
+    a0 = _mm512_xor_si512(a0, _mm512_load_si512(p + i));
+    a1 = _mm512_xor_si512(a1, _mm512_load_si512(p + i + 1));
+    a2 = _mm512_xor_si512(a2, _mm512_load_si512(p + i + 2));
+    a3 = _mm512_xor_si512(a3, _mm512_load_si512(p + i + 3));
+  }
+  const __m512i s = _mm512_xor_si512(_mm512_xor_si512(a0, a1), _mm512_xor_si512(a2, a3));
+  *sink ^= _mm512_reduce_add_epi64(s);
+}
+
+}  // namespace moekit::tools::kernels
