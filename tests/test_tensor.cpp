@@ -1,0 +1,2 @@
+// placeholder: filled in by the test author
+#include <gtest/gtest.h>
