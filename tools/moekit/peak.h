@@ -29,6 +29,8 @@ double fma_f32_avx2(int64_t iterations);          // FLOPs
 double fma_f32_avx512(int64_t iterations);
 double dot_bf16_avx512(int64_t iterations);       // FLOPs (vdpbf16ps)
 void read_avx2(const void* data, int64_t bytes, int64_t* sink);
+void read_prefetch_avx2(const void* data, int64_t bytes, int64_t* sink);
+void read_4streams_avx2(const void* data, int64_t bytes, int64_t* sink);
 void read_avx512(const void* data, int64_t bytes, int64_t* sink);
 void copy_stream_avx2(const void* src, void* dst, int64_t bytes);
 }  // namespace kernels

@@ -42,6 +42,58 @@ void read_avx2(const void* data, int64_t bytes, int64_t* sink) {
   *sink ^= _mm256_extract_epi64(s, 0) ^ _mm256_extract_epi64(s, 3);
 }
 
+// Software prefetch a fixed distance ahead: more misses in flight than the hardware
+// prefetcher alone keeps on some cores.
+void read_prefetch_avx2(const void* data, int64_t bytes, int64_t* sink) {
+  const auto* p = static_cast<const __m256i*>(data);
+  const auto* c = static_cast<const char*>(data);
+  const int64_t n = bytes / 32;
+  constexpr int64_t kAhead = 1024;  // bytes
+  __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm_prefetch(c + i * 32 + kAhead, _MM_HINT_T0);
+    _mm_prefetch(c + i * 32 + kAhead + 64, _MM_HINT_T0);
+    _mm_prefetch(c + i * 32 + kAhead + 128, _MM_HINT_T0);
+    _mm_prefetch(c + i * 32 + kAhead + 192, _MM_HINT_T0);
+    a0 = _mm256_xor_si256(a0, _mm256_load_si256(p + i));
+    a1 = _mm256_xor_si256(a1, _mm256_load_si256(p + i + 1));
+    a2 = _mm256_xor_si256(a2, _mm256_load_si256(p + i + 2));
+    a3 = _mm256_xor_si256(a3, _mm256_load_si256(p + i + 3));
+    a0 = _mm256_xor_si256(a0, _mm256_load_si256(p + i + 4));
+    a1 = _mm256_xor_si256(a1, _mm256_load_si256(p + i + 5));
+    a2 = _mm256_xor_si256(a2, _mm256_load_si256(p + i + 6));
+    a3 = _mm256_xor_si256(a3, _mm256_load_si256(p + i + 7));
+  }
+  const __m256i s = _mm256_xor_si256(_mm256_xor_si256(a0, a1), _mm256_xor_si256(a2, a3));
+  *sink ^= _mm256_extract_epi64(s, 0) ^ _mm256_extract_epi64(s, 3);
+}
+
+// Four interleaved streams (quarters of the range): four prefetch streams per core.
+void read_4streams_avx2(const void* data, int64_t bytes, int64_t* sink) {
+  const int64_t quarter = bytes / 4 / 256 * 256;
+  const char* base = static_cast<const char*>(data);
+  const auto* p0 = reinterpret_cast<const __m256i*>(base);
+  const auto* p1 = reinterpret_cast<const __m256i*>(base + quarter);
+  const auto* p2 = reinterpret_cast<const __m256i*>(base + 2 * quarter);
+  const auto* p3 = reinterpret_cast<const __m256i*>(base + 3 * quarter);
+  __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t i = 0; i + 2 <= quarter / 32; i += 2) {
+    a0 = _mm256_xor_si256(a0, _mm256_load_si256(p0 + i));
+    a1 = _mm256_xor_si256(a1, _mm256_load_si256(p1 + i));
+    a2 = _mm256_xor_si256(a2, _mm256_load_si256(p2 + i));
+    a3 = _mm256_xor_si256(a3, _mm256_load_si256(p3 + i));
+    a0 = _mm256_xor_si256(a0, _mm256_load_si256(p0 + i + 1));
+    a1 = _mm256_xor_si256(a1, _mm256_load_si256(p1 + i + 1));
+    a2 = _mm256_xor_si256(a2, _mm256_load_si256(p2 + i + 1));
+    a3 = _mm256_xor_si256(a3, _mm256_load_si256(p3 + i + 1));
+  }
+  int64_t tail = 0;
+  for (int64_t b = 4 * quarter; b + 8 <= bytes; b += 8) tail ^= *reinterpret_cast<const int64_t*>(base + b);
+  const __m256i s = _mm256_xor_si256(_mm256_xor_si256(a0, a1), _mm256_xor_si256(a2, a3));
+  *sink ^= _mm256_extract_epi64(s, 0) ^ _mm256_extract_epi64(s, 3) ^ tail;
+}
+
 void copy_stream_avx2(const void* src, void* dst, int64_t bytes) {
   const auto* s = static_cast<const __m256i*>(src);
   auto* d = static_cast<__m256i*>(dst);
