@@ -36,6 +36,7 @@ struct V {
   static F div(F a, F b) { return _mm256_div_ps(a, b); }
   static F max(F a, F b) { return _mm256_max_ps(b, a); }  // NaN rule as the scalar target
   static F abs(F a) { return from_bits(and_(bits(a), seti(0x7fffffff))); }
+  static F lut8(const float* table, I idx) { return _mm256_permutevar8x32_ps(_mm256_load_ps(table), idx); }
   static F to_float(I a) { return _mm256_cvtepi32_ps(a); }
   static float hmax(F a) {
     alignas(32) float t[8];
@@ -58,6 +59,80 @@ struct V {
     const __m128i lo = _mm256_castsi256_si128(w), hi = _mm256_extracti128_si256(w, 1);
     _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_unpacklo_epi32(lo, hi));
   }
+  // ---- 4-vector blocks (see formats_simd.inc) ----
+  // Lane order of a 32-element block on the quantise side: y0 = e[0-3, 8-11],
+  // y1 = e[4-7, 12-15], y2 = e[16-19, 24-27], y3 = e[20-23, 28-31]. It is what
+  // unpacking bf16 against zero produces, and packus/packs restore it for free.
+  static constexpr bool kCustomBlocks = true;
+
+  static void load_wide_x4(const uint16_t* p, F y[4]) {
+    const __m256i zero = _mm256_setzero_si256();
+    const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+    y[0] = from_bits(_mm256_unpacklo_epi16(zero, l0));
+    y[1] = from_bits(_mm256_unpackhi_epi16(zero, l0));
+    y[2] = from_bits(_mm256_unpacklo_epi16(zero, l1));
+    y[3] = from_bits(_mm256_unpackhi_epi16(zero, l1));
+  }
+  static void load_wide_x4(const float* p, F y[4]) {
+    const F f0 = _mm256_loadu_ps(p), f1 = _mm256_loadu_ps(p + 8);
+    const F f2 = _mm256_loadu_ps(p + 16), f3 = _mm256_loadu_ps(p + 24);
+    y[0] = _mm256_permute2f128_ps(f0, f1, 0x20);
+    y[1] = _mm256_permute2f128_ps(f0, f1, 0x31);
+    y[2] = _mm256_permute2f128_ps(f2, f3, 0x20);
+    y[3] = _mm256_permute2f128_ps(f2, f3, 0x31);
+  }
+  // Codes (magnitudes < 128) and sign bytes packed with the same shuffles: packus keeps the
+  // magnitudes, packs saturates each f32 bit pattern to a byte whose top bit is its sign.
+  static __m256i pack_codes(const I mag[4], const F y[4], int sign_bit) {
+    const __m256i m = _mm256_packus_epi16(_mm256_packus_epi32(mag[0], mag[1]), _mm256_packus_epi32(mag[2], mag[3]));
+    const __m256i s = _mm256_packs_epi16(_mm256_packs_epi32(bits(y[0]), bits(y[1])),
+                                         _mm256_packs_epi32(bits(y[2]), bits(y[3])));
+    // Saturated bytes are 0x80..0xff when negative: bit 7 is the sign; other bits are not.
+    const __m256i negative = sign_bit == 0x80 ? s : _mm256_cmpgt_epi8(_mm256_setzero_si256(), s);
+    const __m256i codes = _mm256_or_si256(m, _mm256_and_si256(negative, _mm256_set1_epi8(static_cast<char>(sign_bit))));
+    return _mm256_permute4x64_epi64(codes, 0xd8);  // qwords e[0-7], e[16-23], e[8-15], e[24-31] → in order
+  }
+  static void store_byte_codes_x4(uint8_t* p, const I mag[4], const F y[4]) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), pack_codes(mag, y, 0x80));
+  }
+  static void store_nibble_codes_x4(uint8_t* p, const I mag[4], const F y[4]) {
+    const __m256i bytes = pack_codes(mag, y, 0x08);
+    const __m256i pairs = _mm256_and_si256(_mm256_or_si256(bytes, _mm256_srli_epi16(bytes, 4)), _mm256_set1_epi16(0xff));
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi16(pairs, pairs), 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+  }
+  // Dequantise side: c0 = e[0-3, 16-19], c1 = e[4-7, 20-23], c2 = e[8-11, 24-27],
+  // c3 = e[12-15, 28-31] (unpacking bytes against zero); the stores below restore order.
+  static void expand_codes(__m256i bytes, I c[4]) {
+    const __m256i zero = _mm256_setzero_si256();
+    const __m256i lo = _mm256_unpacklo_epi8(bytes, zero), hi = _mm256_unpackhi_epi8(bytes, zero);
+    c[0] = _mm256_unpacklo_epi16(lo, zero);
+    c[1] = _mm256_unpackhi_epi16(lo, zero);
+    c[2] = _mm256_unpacklo_epi16(hi, zero);
+    c[3] = _mm256_unpackhi_epi16(hi, zero);
+  }
+  static void load_byte_codes_x4(const uint8_t* p, I c[4]) {
+    expand_codes(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), c);
+  }
+  static void load_nibble_codes_x4(const uint8_t* p, I c[4]) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+    expand_codes(_mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi)), c);
+  }
+  static void store_f32_x4(float* p, const F v[4]) {
+    _mm256_storeu_ps(p, _mm256_permute2f128_ps(v[0], v[1], 0x20));
+    _mm256_storeu_ps(p + 8, _mm256_permute2f128_ps(v[2], v[3], 0x20));
+    _mm256_storeu_ps(p + 16, _mm256_permute2f128_ps(v[0], v[1], 0x31));
+    _mm256_storeu_ps(p + 24, _mm256_permute2f128_ps(v[2], v[3], 0x31));
+  }
+  static void store_u16_x4(uint16_t* p, const I r[4]) {
+    const __m256i a = _mm256_packus_epi32(r[0], r[1]), b = _mm256_packus_epi32(r[2], r[3]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_permute2x128_si256(a, b, 0x20));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 16), _mm256_permute2x128_si256(a, b, 0x31));
+  }
+
   static I load_nibble_pairs(const uint8_t* p) {
     int32_t word;
     std::memcpy(&word, p, 4);

@@ -9,6 +9,7 @@ namespace moekit::detail {
 namespace {
 
 struct V {
+  static constexpr bool kCustomBlocks = false;  // natural lane order (formats_simd.inc)
   static constexpr int N = 16;
   using F = __m512;
   using I = __m512i;
@@ -35,6 +36,9 @@ struct V {
   static F div(F a, F b) { return _mm512_div_ps(a, b); }
   static F max(F a, F b) { return _mm512_max_ps(b, a); }  // NaN rule as the scalar target
   static F abs(F a) { return from_bits(and_(bits(a), seti(0x7fffffff))); }
+  static F lut8(const float* table, I idx) {
+    return _mm512_permutexvar_ps(idx, _mm512_castps256_ps512(_mm256_load_ps(table)));  // idx < 8
+  }
   static F to_float(I a) { return _mm512_cvtepi32_ps(a); }
   static float hmax(F a) {
     alignas(64) float t[16];

@@ -11,6 +11,7 @@ namespace moekit::detail {
 namespace {
 
 struct V {
+  static constexpr bool kCustomBlocks = false;  // natural lane order (formats_simd.inc)
   static constexpr int N = 8;
   struct F { float v[N]; };
   struct I { int32_t v[N]; };
@@ -45,6 +46,7 @@ struct V {
   // Same NaN rule as (v)maxps: the second operand wins unless the first is strictly greater.
   static F max(const F& a, const F& b) { return mapf(a, b, [](float x, float y) { return x > y ? x : y; }); }
   static F abs(const F& a) { return from_bits(and_(bits(a), seti(0x7fffffff))); }
+  static F lut8(const float* table, const I& idx) { F r; for (int i = 0; i < N; ++i) r.v[i] = table[idx.v[i] & 7]; return r; }
   static F to_float(const I& a) { F r; for (int i = 0; i < N; ++i) r.v[i] = static_cast<float>(a.v[i]); return r; }
   static float hmax(const F& a) { float m = a.v[0]; for (int i = 1; i < N; ++i) m = a.v[i] > m ? a.v[i] : m; return m; }
 
