@@ -19,9 +19,10 @@ struct FormatKernels {
   // acc[i] = max(acc[i], |x[i]|).
   void (*amax_accumulate[2])(const void* x, int64_t n, float* acc);
   // q = narrow(x / sf[i / gran]); e2m1: n values into ceil(n/2) bytes, gran even or >= n.
-  void (*quantize[3][2])(const void* x, uint8_t* q, int64_t n, const float* sf, int64_t gran);
+  // stream = true: non-temporal stores (for outputs far larger than the cache).
+  void (*quantize[3][2])(const void* x, uint8_t* q, int64_t n, const float* sf, int64_t gran, bool stream);
   // out = wide(decode(q) * sf[i / gran]).
-  void (*dequantize[3][2])(const uint8_t* q, void* out, int64_t n, const float* sf, int64_t gran);
+  void (*dequantize[3][2])(const uint8_t* q, void* out, int64_t n, const float* sf, int64_t gran, bool stream);
   void (*f32_to_bf16)(const float* x, uint16_t* out, int64_t n);
   void (*bf16_to_f32)(const uint16_t* x, float* out, int64_t n);
 };
@@ -31,6 +32,10 @@ const FormatKernels& format_kernels_avx2();
 const FormatKernels& format_kernels_avx512();  // only called when the CPU has AVX-512
 const FormatKernels& format_kernels(Isa isa);
 inline const FormatKernels& format_kernels() { return format_kernels(active_isa()); }
+
+// Outputs of at least this many bytes are written with non-temporal stores (default
+// 64 MiB). Returns the previous value; tests lower it to cover the streaming path.
+int64_t set_streaming_threshold(int64_t bytes);
 
 // Scalar element conversions (from the scalar instantiation; exact by construction).
 uint8_t encode_scalar(Narrow fmt, float x);

@@ -93,14 +93,27 @@ struct V {
     const __m256i codes = _mm256_or_si256(m, _mm256_and_si256(negative, _mm256_set1_epi8(static_cast<char>(sign_bit))));
     return _mm256_permute4x64_epi64(codes, 0xd8);  // qwords e[0-7], e[16-23], e[8-15], e[24-31] → in order
   }
-  static void store_byte_codes_x4(uint8_t* p, const I mag[4], const F y[4]) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), pack_codes(mag, y, 0x80));
+  // Stores; Stream uses non-temporal stores when the destination is aligned for them.
+  template <bool Stream>
+  static void put(void* p, __m256i v) {
+    if (Stream && (reinterpret_cast<uintptr_t>(p) & 31) == 0) _mm256_stream_si256(static_cast<__m256i*>(p), v);
+    else _mm256_storeu_si256(static_cast<__m256i*>(p), v);
   }
+  template <bool Stream>
+  static void put(void* p, __m128i v) {
+    if (Stream && (reinterpret_cast<uintptr_t>(p) & 15) == 0) _mm_stream_si128(static_cast<__m128i*>(p), v);
+    else _mm_storeu_si128(static_cast<__m128i*>(p), v);
+  }
+  static void fence() { _mm_sfence(); }
+
+  template <bool Stream>
+  static void store_byte_codes_x4(uint8_t* p, const I mag[4], const F y[4]) { put<Stream>(p, pack_codes(mag, y, 0x80)); }
+  template <bool Stream>
   static void store_nibble_codes_x4(uint8_t* p, const I mag[4], const F y[4]) {
     const __m256i bytes = pack_codes(mag, y, 0x08);
     const __m256i pairs = _mm256_and_si256(_mm256_or_si256(bytes, _mm256_srli_epi16(bytes, 4)), _mm256_set1_epi16(0xff));
     const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi16(pairs, pairs), 0x08);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+    put<Stream>(p, _mm256_castsi256_si128(packed));
   }
   // Dequantise side: c0 = e[0-3, 16-19], c1 = e[4-7, 20-23], c2 = e[8-11, 24-27],
   // c3 = e[12-15, 28-31] (unpacking bytes against zero); the stores below restore order.
@@ -121,16 +134,18 @@ struct V {
     const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
     expand_codes(_mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi)), c);
   }
+  template <bool Stream>
   static void store_f32_x4(float* p, const F v[4]) {
-    _mm256_storeu_ps(p, _mm256_permute2f128_ps(v[0], v[1], 0x20));
-    _mm256_storeu_ps(p + 8, _mm256_permute2f128_ps(v[2], v[3], 0x20));
-    _mm256_storeu_ps(p + 16, _mm256_permute2f128_ps(v[0], v[1], 0x31));
-    _mm256_storeu_ps(p + 24, _mm256_permute2f128_ps(v[2], v[3], 0x31));
+    put<Stream>(p, bits(_mm256_permute2f128_ps(v[0], v[1], 0x20)));
+    put<Stream>(p + 8, bits(_mm256_permute2f128_ps(v[2], v[3], 0x20)));
+    put<Stream>(p + 16, bits(_mm256_permute2f128_ps(v[0], v[1], 0x31)));
+    put<Stream>(p + 24, bits(_mm256_permute2f128_ps(v[2], v[3], 0x31)));
   }
+  template <bool Stream>
   static void store_u16_x4(uint16_t* p, const I r[4]) {
     const __m256i a = _mm256_packus_epi32(r[0], r[1]), b = _mm256_packus_epi32(r[2], r[3]);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_permute2x128_si256(a, b, 0x20));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 16), _mm256_permute2x128_si256(a, b, 0x31));
+    put<Stream>(p, _mm256_permute2x128_si256(a, b, 0x20));
+    put<Stream>(p + 16, _mm256_permute2x128_si256(a, b, 0x31));
   }
 
   static I load_nibble_pairs(const uint8_t* p) {

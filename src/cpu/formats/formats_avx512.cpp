@@ -10,6 +10,7 @@ namespace {
 
 struct V {
   static constexpr bool kCustomBlocks = false;  // natural lane order (formats_simd.inc)
+  static void fence() {}  // no streaming stores on this target
   static constexpr int N = 16;
   using F = __m512;
   using I = __m512i;

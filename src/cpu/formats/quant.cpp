@@ -4,6 +4,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cmath>
 #include <vector>
@@ -32,6 +33,12 @@ constexpr float kE2m1Max = 6.0f;
 constexpr int64_t kParallelThreshold = 1 << 15;
 
 int threads_for(int64_t elements) { return elements >= kParallelThreshold ? num_threads() : 1; }
+// Outputs beyond this size cannot stay in the last-level cache for a consumer anyway, so
+// their block stores are non-temporal (no read-for-ownership of the destination lines).
+std::atomic<int64_t> g_streaming_bytes{int64_t{64} << 20};
+bool streaming(const Tensor& out) {
+  return out.numel() * static_cast<int64_t>(out.element_size()) >= g_streaming_bytes.load(std::memory_order_relaxed);
+}
 
 Wide wide_of(const Tensor& t) { return t.dtype() == DType::bf16 ? Wide::bf16 : Wide::f32; }
 
@@ -77,16 +84,19 @@ void per_token_cast(const char* fn, const Tensor& x, const Tensor& q, const Tens
   const int wide = static_cast<int>(wide_of(x));
   const float max_code = fp4 ? kE2m1Max : kE4m3Max;
   const int64_t groups = ceil_div(k, gran_k);
+  const bool stream = streaming(q);
 #pragma omp parallel for schedule(static) num_threads(threads_for(m * k))
   for (int64_t r = 0; r < m; ++r) {
     float* s = reinterpret_cast<float*>(row_ptr_mut(sf, r));
     kern.amax_groups[wide](row_ptr(x, r), k, gran_k, s);
     finish_scales(s, groups, max_code, use_ue8m0);
-    kern.quantize[static_cast<int>(fmt)][wide](row_ptr(x, r), reinterpret_cast<uint8_t*>(row_ptr_mut(q, r)), k, s, gran_k);
+    kern.quantize[static_cast<int>(fmt)][wide](row_ptr(x, r), reinterpret_cast<uint8_t*>(row_ptr_mut(q, r)), k, s, gran_k, stream);
   }
 }
 
 }  // namespace
+
+int64_t detail::set_streaming_threshold(int64_t bytes) { return g_streaming_bytes.exchange(bytes); }
 
 // ---------------------------------------------------------------- per token
 void per_token_cast_to_fp8_into(const Tensor& x, const Tensor& q, const Tensor& sf, bool use_ue8m0,
@@ -130,6 +140,7 @@ void per_block_cast_to_fp8_into(const Tensor& x, const Tensor& q, const Tensor& 
   const auto& kern = detail::format_kernels();
   const int wide = static_cast<int>(wide_of(x));
   const int64_t block_rows = ceil_div(m, block_m);
+  const bool stream = streaming(q);
 #pragma omp parallel num_threads(threads_for(m * k))
   {
     std::vector<float> column_amax(static_cast<size_t>(k));
@@ -143,7 +154,7 @@ void per_block_cast_to_fp8_into(const Tensor& x, const Tensor& q, const Tensor& 
       kern.amax_groups[static_cast<int>(Wide::f32)](column_amax.data(), k, block_k, s);
       finish_scales(s, ceil_div(k, block_k), kE4m3Max, use_ue8m0);
       for (int64_t r = r0; r < r1; ++r)
-        kern.quantize[static_cast<int>(Narrow::e4m3)][wide](row_ptr(x, r), reinterpret_cast<uint8_t*>(row_ptr_mut(q, r)), k, s, block_k);
+        kern.quantize[static_cast<int>(Narrow::e4m3)][wide](row_ptr(x, r), reinterpret_cast<uint8_t*>(row_ptr_mut(q, r)), k, s, block_k, stream);
     }
   }
 }
@@ -171,6 +182,7 @@ void per_channel_cast_to_fp8_into(const Tensor& x, const Tensor& q, const Tensor
   check_scales(fn, sf, {ceil_div(k, gran_k), mn});
   const auto& kern = detail::format_kernels();
   const int wide = static_cast<int>(wide_of(x));
+  const bool stream = streaming(q);
 #pragma omp parallel for schedule(static) num_threads(threads_for(k * mn))
   for (int64_t g = 0; g < ceil_div(k, gran_k); ++g) {
     const int64_t r0 = g * gran_k, r1 = std::min(k, r0 + gran_k);
@@ -179,7 +191,7 @@ void per_channel_cast_to_fp8_into(const Tensor& x, const Tensor& q, const Tensor
     for (int64_t r = r0; r < r1; ++r) kern.amax_accumulate[wide](row_ptr(x, r), mn, s);
     finish_scales(s, mn, kE4m3Max, use_ue8m0);
     for (int64_t r = r0; r < r1; ++r)
-      kern.quantize[static_cast<int>(Narrow::e4m3)][wide](row_ptr(x, r), reinterpret_cast<uint8_t*>(row_ptr_mut(q, r)), mn, s, 1);
+      kern.quantize[static_cast<int>(Narrow::e4m3)][wide](row_ptr(x, r), reinterpret_cast<uint8_t*>(row_ptr_mut(q, r)), mn, s, 1, stream);
   }
 }
 
@@ -220,13 +232,14 @@ void cast_back(const char* fn, const Tensor& q, const Tensor& sf, const Tensor& 
   check_shape(fn, "sf", sf, {ceil_div(m, gran_m), sf.dtype() == DType::f32 ? groups : ceil_div(groups, 4)});
   const auto& kern = detail::format_kernels();
   const int wide = static_cast<int>(wide_of(out));
+  const bool stream = streaming(out);
 #pragma omp parallel num_threads(threads_for(m * k))
   {
     std::vector<float> scratch;
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < m; ++r) {
       const float* s = scale_row(sf, r / gran_m, groups, scratch);
-      kern.dequantize[static_cast<int>(fmt)][wide](reinterpret_cast<const uint8_t*>(row_ptr(q, r)), row_ptr_mut(out, r), k, s, gran_k);
+      kern.dequantize[static_cast<int>(fmt)][wide](reinterpret_cast<const uint8_t*>(row_ptr(q, r)), row_ptr_mut(out, r), k, s, gran_k, stream);
     }
   }
 }
@@ -355,6 +368,7 @@ void convert(const Tensor& src, const Tensor& dst) {
   const float one = 1.0f;
   const int64_t other_row_bytes = expected.back() * static_cast<int64_t>(other.element_size());
   const int64_t wide_row_bytes = cols * static_cast<int64_t>(wide.element_size());
+  const bool stream = streaming(dst);
 #pragma omp parallel for schedule(static) num_threads(threads_for(rows * cols))
   for (int64_t r = 0; r < rows; ++r) {
     const char* w = static_cast<const char*>(wide.data()) + r * wide_row_bytes;
@@ -364,9 +378,9 @@ void convert(const Tensor& src, const Tensor& dst) {
       else if (src.dtype() == DType::f32) kern.f32_to_bf16(reinterpret_cast<const float*>(w), reinterpret_cast<uint16_t*>(o), cols);
       else kern.bf16_to_f32(reinterpret_cast<const uint16_t*>(w), reinterpret_cast<float*>(o), cols);
     } else if (to_narrow) {
-      kern.quantize[narrow_of(dst.dtype())][static_cast<int>(wide_of(src))](w, reinterpret_cast<uint8_t*>(o), cols, &one, cols);
+      kern.quantize[narrow_of(dst.dtype())][static_cast<int>(wide_of(src))](w, reinterpret_cast<uint8_t*>(o), cols, &one, cols, stream);
     } else {
-      kern.dequantize[narrow_of(src.dtype())][static_cast<int>(wide_of(dst))](reinterpret_cast<const uint8_t*>(o), const_cast<char*>(w), cols, &one, cols);
+      kern.dequantize[narrow_of(src.dtype())][static_cast<int>(wide_of(dst))](reinterpret_cast<const uint8_t*>(o), const_cast<char*>(w), cols, &one, cols, stream);
     }
   }
 }

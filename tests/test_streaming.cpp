@@ -1,0 +1,63 @@
+// The non-temporal store path of the casts (taken for outputs above a size threshold) must
+// give exactly the bytes of the cached path and of the portable path.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+
+#include "cpu/formats/format_kernels.h"
+#include "moekit/formats.h"
+#include "test_util.h"
+
+namespace {
+
+using namespace moekit;
+
+Tensor random_bf16(int64_t rows, int64_t cols) {
+  Tensor t = Tensor::empty({rows, cols}, DType::bf16);
+  std::mt19937 rng(7);
+  std::normal_distribution<float> dist(0.0f, 3.0f);
+  for (int64_t i = 0; i < rows * cols; ++i) t.data_ptr<uint16_t>()[i] = f32_to_bf16(dist(rng));
+  return t;
+}
+
+bool same(const Tensor& a, const Tensor& b) {
+  return a.shape() == b.shape() && std::memcmp(a.data(), b.data(), a.numel() * a.element_size()) == 0;
+}
+
+struct StreamingThreshold {
+  explicit StreamingThreshold(int64_t bytes) : previous(detail::set_streaming_threshold(bytes)) {}
+  ~StreamingThreshold() { detail::set_streaming_threshold(previous); }
+  int64_t previous;
+};
+
+TEST(Streaming, CastsMatchCachedPathOnEveryIsa) {
+  // 130 columns: blocks of 32 plus a tail; rows offset so some rows start unaligned.
+  const Tensor x = random_bf16(67, 1030);
+  const Tensor xv = x.slice(1, 3, 1030);  // strided view, unaligned row starts
+  for (const Tensor& in : {x, xv}) {
+    Quantized fp8_cached, fp4_cached;
+    Tensor back8_cached, back4_cached;
+    {
+      ScopedIsa portable(Isa::scalar);
+      fp8_cached = per_token_cast_to_fp8(in, false);
+      fp4_cached = per_token_cast_to_fp4(in, true);
+      back8_cached = cast_back_from_fp8(fp8_cached.values, fp8_cached.sf, DType::bf16);
+      back4_cached = cast_back_from_fp4(fp4_cached.values, fp4_cached.sf, DType::f32, 1, 32, in.size(1));
+    }
+    StreamingThreshold all_streaming(1);
+    for (Isa isa : moekit::testing::supported_isas()) {
+      ScopedIsa scoped(isa);
+      SCOPED_TRACE(isa_name(isa));
+      const Quantized fp8 = per_token_cast_to_fp8(in, false);
+      const Quantized fp4 = per_token_cast_to_fp4(in, true);
+      EXPECT_TRUE(same(fp8.values, fp8_cached.values));
+      EXPECT_TRUE(same(fp8.sf, fp8_cached.sf));
+      EXPECT_TRUE(same(fp4.values, fp4_cached.values));
+      EXPECT_TRUE(same(cast_back_from_fp8(fp8.values, fp8.sf, DType::bf16), back8_cached));
+      EXPECT_TRUE(same(cast_back_from_fp4(fp4.values, fp4.sf, DType::f32, 1, 32, in.size(1)), back4_cached));
+    }
+  }
+}
+
+}  // namespace
