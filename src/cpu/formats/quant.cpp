@@ -274,8 +274,11 @@ void cast_back_from_fp4_into(const Tensor& q, const Tensor& sf, const Tensor& ou
 }
 
 Tensor cast_back_from_fp8(const Tensor& q, const Tensor& sf, DType out_dtype, int64_t gran_m, int64_t gran_k) {
-  check_cpu_matrix("cast_back_from_fp8", "q", q, {DType::e4m3});
-  Tensor out = Tensor::empty(q.shape(), out_dtype);
+  const char* fn = "cast_back_from_fp8";
+  detail::check_defined(fn, "q", q);
+  detail::check_dtype(fn, "q", q, {DType::e4m3});
+  detail::check_rank(fn, "q", q, 2);
+  Tensor out = Tensor::empty(q.shape(), out_dtype, q.device());
   cast_back_from_fp8_into(q, sf, out, gran_m, gran_k);
   return out;
 }
