@@ -140,7 +140,10 @@ Quantized quantize_grid(const Tensor& x, bool use_ue8m0, int64_t gm, int64_t gk,
     for (int64_t bj = 0; bj < sk; ++bj) {
       double amax = 0.0;
       for (int64_t r = bi * gm; r < std::min(m, (bi + 1) * gm); ++r)
-        for (int64_t c = bj * gk; c < std::min(k, (bj + 1) * gk); ++c) amax = std::max(amax, std::abs(value_at(x, r, c)));
+        for (int64_t c = bj * gk; c < std::min(k, (bj + 1) * gk); ++c) {
+          const double a = std::abs(value_at(x, r, c));
+          amax = std::isnan(a) || std::isnan(amax) ? kNaN : std::max(amax, a);  // NaN is sticky
+        }
       const float s = ref_scale(amax, fp4 ? 6.0 : 448.0, use_ue8m0);
       sf[bi * sk + bj] = s;
       for (int64_t r = bi * gm; r < std::min(m, (bi + 1) * gm); ++r)

@@ -34,16 +34,15 @@ struct V {
   static F add(F a, F b) { return _mm256_add_ps(a, b); }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static F div(F a, F b) { return _mm256_div_ps(a, b); }
-  static F max(F a, F b) { return _mm256_max_ps(b, a); }  // NaN rule as the scalar target
+  static I max(I a, I b) { return _mm256_max_epi32(a, b); }
   static F abs(F a) { return from_bits(and_(bits(a), seti(0x7fffffff))); }
   static F lut8(const float* table, I idx) { return _mm256_permutevar8x32_ps(_mm256_load_ps(table), idx); }
   static F to_float(I a) { return _mm256_cvtepi32_ps(a); }
-  static float hmax(F a) {
-    alignas(32) float t[8];
-    _mm256_store_ps(t, a);
-    float m = t[0];
-    for (int i = 1; i < 8; ++i) m = t[i] > m ? t[i] : m;
-    return m;
+  static int32_t hmax(I a) {
+    __m128i m = _mm_max_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    m = _mm_max_epi32(m, _mm_shuffle_epi32(m, 0x4e));
+    m = _mm_max_epi32(m, _mm_shuffle_epi32(m, 0xb1));
+    return _mm_cvtsi128_si32(m);
   }
 
   static F load_f32(const float* p) { return _mm256_loadu_ps(p); }

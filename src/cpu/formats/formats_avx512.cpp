@@ -2,6 +2,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
 
 #include "format_kernels.h"
 
@@ -35,19 +36,13 @@ struct V {
   static F add(F a, F b) { return _mm512_add_ps(a, b); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static F div(F a, F b) { return _mm512_div_ps(a, b); }
-  static F max(F a, F b) { return _mm512_max_ps(b, a); }  // NaN rule as the scalar target
+  static I max(I a, I b) { return _mm512_max_epi32(a, b); }
   static F abs(F a) { return from_bits(and_(bits(a), seti(0x7fffffff))); }
   static F lut8(const float* table, I idx) {
     return _mm512_permutexvar_ps(idx, _mm512_castps256_ps512(_mm256_load_ps(table)));  // idx < 8
   }
   static F to_float(I a) { return _mm512_cvtepi32_ps(a); }
-  static float hmax(F a) {
-    alignas(64) float t[16];
-    _mm512_store_ps(t, a);
-    float m = t[0];
-    for (int i = 1; i < 16; ++i) m = t[i] > m ? t[i] : m;
-    return m;
-  }
+  static int32_t hmax(I a) { return _mm512_reduce_max_epi32(a); }
 
   static F load_f32(const float* p) { return _mm512_loadu_ps(p); }
   static void store_f32(float* p, F a) { _mm512_storeu_ps(p, a); }

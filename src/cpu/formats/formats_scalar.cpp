@@ -34,6 +34,7 @@ struct V {
   static I add(const I& a, const I& b) { return map(a, b, [](int32_t x, int32_t y) { return s(u(x) + u(y)); }); }
   static I sub(const I& a, const I& b) { return map(a, b, [](int32_t x, int32_t y) { return s(u(x) - u(y)); }); }
   static I min(const I& a, const I& b) { return map(a, b, [](int32_t x, int32_t y) { return x < y ? x : y; }); }
+  static I max(const I& a, const I& b) { return map(a, b, [](int32_t x, int32_t y) { return x > y ? x : y; }); }
   template <int k> static I shr(const I& a) { I r; for (int i = 0; i < N; ++i) r.v[i] = s(u(a.v[i]) >> k); return r; }
   template <int k> static I shl(const I& a) { I r; for (int i = 0; i < N; ++i) r.v[i] = s(u(a.v[i]) << k); return r; }
   static M lt(const I& a, const I& b) { return map(a, b, [](int32_t x, int32_t y) { return x < y ? -1 : 0; }); }
@@ -44,12 +45,10 @@ struct V {
   static F add(const F& a, const F& b) { return mapf(a, b, [](float x, float y) { return x + y; }); }
   static F mul(const F& a, const F& b) { return mapf(a, b, [](float x, float y) { return x * y; }); }
   static F div(const F& a, const F& b) { return mapf(a, b, [](float x, float y) { return x / y; }); }
-  // Same NaN rule as (v)maxps: the second operand wins unless the first is strictly greater.
-  static F max(const F& a, const F& b) { return mapf(a, b, [](float x, float y) { return x > y ? x : y; }); }
   static F abs(const F& a) { return from_bits(and_(bits(a), seti(0x7fffffff))); }
   static F lut8(const float* table, const I& idx) { F r; for (int i = 0; i < N; ++i) r.v[i] = table[idx.v[i] & 7]; return r; }
   static F to_float(const I& a) { F r; for (int i = 0; i < N; ++i) r.v[i] = static_cast<float>(a.v[i]); return r; }
-  static float hmax(const F& a) { float m = a.v[0]; for (int i = 1; i < N; ++i) m = a.v[i] > m ? a.v[i] : m; return m; }
+  static int32_t hmax(const I& a) { int32_t m = a.v[0]; for (int i = 1; i < N; ++i) m = a.v[i] > m ? a.v[i] : m; return m; }
 
   static F load_f32(const float* p) { F r; std::memcpy(r.v, p, sizeof r.v); return r; }
   static void store_f32(float* p, const F& a) { std::memcpy(p, a.v, sizeof a.v); }
