@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "moekit/moekit.h"
+#include "reference.h"
 
 namespace {
 
@@ -46,6 +47,21 @@ void differential(Fn fn) {
   }
 }
 
+// Values and scales must equal the oracle's bit for bit (NaN scales compare as NaN).
+void check_oracle(const Quantized& got, const Quantized& want) {
+  if (!same_bytes(got.values, want.values)) {
+    std::fprintf(stderr, "fuzz: cast values differ from the oracle\n");
+    std::abort();
+  }
+  for (int64_t i = 0; i < got.sf.numel(); ++i) {
+    const float a = got.sf.data_ptr<float>()[i], b = want.sf.data_ptr<float>()[i];
+    if (!(a == b || (a != a && b != b))) {
+      std::fprintf(stderr, "fuzz: scale %ld differs from the oracle: %g vs %g\n", static_cast<long>(i), a, b);
+      std::abort();
+    }
+  }
+}
+
 void run_one(Reader& in) {
   const DType wide = in.byte() & 1 ? DType::bf16 : DType::f32;
   const int64_t rows = in.small(9), cols = in.small(200);
@@ -59,10 +75,11 @@ void run_one(Reader& in) {
   const Tensor x = Tensor::from_blob(storage.data(), {rows, cols}, wide, Device::cpu(), {cols + pad, 1});
   try {
     switch (op) {
-      case 0: differential([&] { return per_token_cast_to_fp8(x, ue8m0, gran).values; }); break;
-      case 1: differential([&] { return per_token_cast_to_fp4(x, ue8m0, gran).values; }); break;
-      case 2: differential([&] { return per_block_cast_to_fp8(x, ue8m0, gran, gran + 1).values; }); break;
-      case 3: differential([&] { return per_channel_cast_to_fp8(x, ue8m0, gran).values; }); break;
+      // Casts: every ISA agrees with the portable path, which agrees with the f64 oracle.
+      case 0: differential([&] { return per_token_cast_to_fp8(x, ue8m0, gran).values; }); check_oracle(per_token_cast_to_fp8(x, ue8m0, gran), ref::per_token_cast_to_fp8(x, ue8m0, gran)); break;
+      case 1: differential([&] { return per_token_cast_to_fp4(x, ue8m0, gran).values; }); check_oracle(per_token_cast_to_fp4(x, ue8m0, gran), ref::per_token_cast_to_fp4(x, ue8m0, gran)); break;
+      case 2: differential([&] { return per_block_cast_to_fp8(x, ue8m0, gran, gran + 1).values; }); check_oracle(per_block_cast_to_fp8(x, ue8m0, gran, gran + 1), ref::per_block_cast_to_fp8(x, ue8m0, gran, gran + 1)); break;
+      case 3: differential([&] { return per_channel_cast_to_fp8(x, ue8m0, gran).values; }); check_oracle(per_channel_cast_to_fp8(x, ue8m0, gran), ref::per_channel_cast_to_fp8(x, ue8m0, gran)); break;
       case 4: {  // decode arbitrary codes with arbitrary (finite) scales
         const Tensor q = Tensor::from_blob(storage.data(), {rows, cols}, DType::e4m3, Device::cpu(), {cols + pad, 1});
         const int64_t g = gran <= 0 ? 1 : gran;
