@@ -173,8 +173,12 @@ Tensor Tensor::slice(int64_t d, int64_t start, int64_t end, int64_t step) const 
          "start " + std::to_string(start) + ", end " + std::to_string(end));
   Tensor t = *this;
   t.data_ = static_cast<char*>(data_) + start * strides_[d] * static_cast<int64_t>(element_size());
-  t.shape_[d] = (end - start + step - 1) / step;
-  t.strides_[d] = strides_[d] * step;
+  const int64_t count = start == end ? 0 : (end - start - 1) / step + 1;
+  int64_t stride = strides_[d];
+  if (count > 1 && __builtin_mul_overflow(strides_[d], step, &stride))
+    fail("Tensor::slice", "step", "a step whose stride fits in int64", std::to_string(step));
+  t.shape_[d] = count;
+  t.strides_[d] = stride;
   return t;
 }
 

@@ -285,9 +285,9 @@ Tensor cast_back_from_fp8(const Tensor& q, const Tensor& sf, DType out_dtype, in
 
 Tensor cast_back_from_fp4(const Tensor& q, const Tensor& sf, DType out_dtype, int64_t gran_m, int64_t gran_k, int64_t k) {
   check_cpu_matrix("cast_back_from_fp4", "q", q, {DType::e2m1x2});
-  if (k < 0) k = 2 * q.size(1);
-  if (ceil_div(k, 2) != q.size(1))
-    fail("cast_back_from_fp4", "k", "2*q.size(1) or 2*q.size(1)-1 (" + std::to_string(2 * q.size(1)) + ")", std::to_string(k));
+  if (k == -1) k = 2 * q.size(1);
+  if (k < 0 || ceil_div(k, 2) != q.size(1))
+    fail("cast_back_from_fp4", "k", "-1 (default), 2*q.size(1) or 2*q.size(1)-1 (" + std::to_string(2 * q.size(1)) + ")", std::to_string(k));
   Tensor out = Tensor::empty({q.size(0), k}, out_dtype);
   cast_back_from_fp4_into(q, sf, out, gran_m, gran_k);
   return out;
@@ -327,8 +327,8 @@ Tensor unpack_ue8m0_from_int(const Tensor& packed, int64_t groups) {
   const char* fn = "unpack_ue8m0_from_int";
   check_cpu_matrix(fn, "packed", packed, {DType::i32});
   const int64_t rows = packed.size(0), words = packed.size(1);
-  if (groups < 0) groups = 4 * words;
-  if (ceil_div(groups, 4) != words)
+  if (groups == -1) groups = 4 * words;
+  if (groups < 0 || ceil_div(groups, 4) != words)
     fail(fn, "groups", "a count with ceil(groups/4) == " + std::to_string(words), std::to_string(groups));
   Tensor out = Tensor::empty({rows, groups}, DType::f32);
   for (int64_t r = 0; r < rows; ++r) {
