@@ -18,7 +18,7 @@ uint8_t f32_to_e4m3(float x);           // |x| > 448 saturates to ±448; ±inf a
 float e5m2_to_f32(uint8_t code);
 uint8_t f32_to_e5m2(float x);           // overflow → ±inf; NaN → quiet NaN
 float e2m1_to_f32(uint8_t nibble);      // low 4 bits used
-uint8_t f32_to_e2m1(float x);           // |x| > 6 saturates to ±6; NaN → +6 (documented)
+uint8_t f32_to_e2m1(float x);           // |x| > 6 saturates to ±6; NaN → ±6 (its sign)
 float ue8m0_to_f32(uint8_t code);       // 2^(code-127); 255 → NaN
 uint8_t f32_to_ue8m0(float power_of_two);  // exponent byte of a positive power of two
 float ceil_to_ue8m0(float sf);          // 2^ceil(log2(sf)), sf > 0
@@ -54,7 +54,8 @@ void per_token_cast_to_fp4_into(const Tensor& x, const Tensor& q, const Tensor& 
 // Dequantise (values * sf) to f32 or bf16. The scale grid is explicit: element (r, c) uses
 // sf[r / gran_m, c / gran_k] (per token: 1 x gran_k; per block: 128 x 128; per channel:
 // gran_k x 1). sf is f32, or packed ue8m0 (i32, four exponents per word along columns).
-// For fp4, k is the unpacked column count (default 2 * q.size(1)).
+// For fp4, k is the unpacked column count (-1: 2 * q.size(1)). bf16 output is the RNE of the
+// f32 product (as upstream's (q.float() * sf).to(bf16)).
 Tensor cast_back_from_fp8(const Tensor& q, const Tensor& sf, DType out = DType::f32,
                           int64_t gran_m = 1, int64_t gran_k = 128);
 Tensor cast_back_from_fp4(const Tensor& q, const Tensor& sf, DType out = DType::f32,

@@ -314,8 +314,11 @@ Tensor pack_ue8m0_to_int(const Tensor& sf) {
     auto* bytes = reinterpret_cast<uint8_t*>(out.data_ptr<int32_t>() + r * words);
     for (int64_t g = 0; g < groups; ++g) {
       const uint32_t bits = std::bit_cast<uint32_t>(s[g]);
-      if ((bits & 0x807fffffu) != 0 || bits == 0 || (bits >> 23) == 0xff)
-        fail(fn, "sf", "positive normal powers of two (use ceil_to_ue8m0 first)",
+      // Powers of two 2^-126..2^127 (exponent field, zero mantissa), and 2^-127 (code 0,
+      // the one ue8m0 value that is an f32 subnormal).
+      const bool normal = (bits & 0x807fffffu) == 0 && bits != 0 && (bits >> 23) != 0xff;
+      if (!normal && bits != 0x00400000u)
+        fail(fn, "sf", "positive powers of two in [2^-127, 2^127] (use ceil_to_ue8m0 first)",
              "sf[" + std::to_string(r) + ", " + std::to_string(g) + "] = " + std::to_string(s[g]));
       bytes[g] = static_cast<uint8_t>(bits >> 23);  // little-endian: byte g%4 of word g/4
     }
