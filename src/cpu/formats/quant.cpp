@@ -50,9 +50,14 @@ char* row_ptr_mut(const Tensor& t, int64_t r) { return const_cast<char*>(row_ptr
 // 2^ceil(log2(sf)); non-finite scales (from inf/NaN inputs) pass through unchanged: this
 // runs inside parallel regions, where it must not throw.
 float ceil_pow2(float sf) noexcept {
-  if (!(sf > 0.0f) || !std::isfinite(sf)) return sf;
-  int exponent = 0;
-  return std::frexp(sf, &exponent) == 0.5f ? sf : std::ldexp(1.0f, exponent);
+  const uint32_t bits = std::bit_cast<uint32_t>(sf);
+  if (bits - 0x00800000u < 0x7f000000u) {  // positive normal: clear the mantissa, bump the exponent if it was not 0
+    const uint32_t exponent = bits & 0x7f800000u;
+    return std::bit_cast<float>((bits & 0x007fffffu) ? exponent + 0x00800000u : exponent);
+  }
+  if (!(sf > 0.0f) || !std::isfinite(sf)) return sf;  // zero, negative, inf, NaN: unchanged
+  int e = 0;  // positive subnormal
+  return std::frexp(sf, &e) == 0.5f ? sf : std::ldexp(1.0f, e);
 }
 
 // sf = max(amax, 1e-4) / max_code in f32; rounded up to a power of two for ue8m0.
@@ -90,7 +95,8 @@ void per_token_cast(const char* fn, const Tensor& x, const Tensor& q, const Tens
     float* s = reinterpret_cast<float*>(row_ptr_mut(sf, r));
     kern.amax_groups[wide](row_ptr(x, r), k, gran_k, s);
     finish_scales(s, groups, max_code, use_ue8m0);
-    kern.quantize[static_cast<int>(fmt)][wide](row_ptr(x, r), reinterpret_cast<uint8_t*>(row_ptr_mut(q, r)), k, s, gran_k, stream);
+    kern.quantize[static_cast<int>(fmt)][wide](row_ptr(x, r), reinterpret_cast<uint8_t*>(row_ptr_mut(q, r)), k, s, gran_k, stream,
+                                               r + 1 < m ? row_ptr(x, r + 1) : nullptr);
   }
 }
 
@@ -154,7 +160,8 @@ void per_block_cast_to_fp8_into(const Tensor& x, const Tensor& q, const Tensor& 
       kern.amax_groups[static_cast<int>(Wide::f32)](column_amax.data(), k, block_k, s);
       finish_scales(s, ceil_div(k, block_k), kE4m3Max, use_ue8m0);
       for (int64_t r = r0; r < r1; ++r)
-        kern.quantize[static_cast<int>(Narrow::e4m3)][wide](row_ptr(x, r), reinterpret_cast<uint8_t*>(row_ptr_mut(q, r)), k, s, block_k, stream);
+        kern.quantize[static_cast<int>(Narrow::e4m3)][wide](row_ptr(x, r), reinterpret_cast<uint8_t*>(row_ptr_mut(q, r)), k, s, block_k, stream,
+                                                            r + block_m < m ? row_ptr(x, r + block_m) : nullptr);
     }
   }
 }
@@ -191,7 +198,8 @@ void per_channel_cast_to_fp8_into(const Tensor& x, const Tensor& q, const Tensor
     for (int64_t r = r0; r < r1; ++r) kern.amax_accumulate[wide](row_ptr(x, r), mn, s);
     finish_scales(s, mn, kE4m3Max, use_ue8m0);
     for (int64_t r = r0; r < r1; ++r)
-      kern.quantize[static_cast<int>(Narrow::e4m3)][wide](row_ptr(x, r), reinterpret_cast<uint8_t*>(row_ptr_mut(q, r)), mn, s, 1, stream);
+      kern.quantize[static_cast<int>(Narrow::e4m3)][wide](row_ptr(x, r), reinterpret_cast<uint8_t*>(row_ptr_mut(q, r)), mn, s, 1, stream,
+                                                          r + gran_k < k ? row_ptr(x, r + gran_k) : nullptr);
   }
 }
 
@@ -384,7 +392,7 @@ void convert(const Tensor& src, const Tensor& dst) {
       else if (src.dtype() == DType::f32) kern.f32_to_bf16(reinterpret_cast<const float*>(w), reinterpret_cast<uint16_t*>(o), cols);
       else kern.bf16_to_f32(reinterpret_cast<const uint16_t*>(w), reinterpret_cast<float*>(o), cols);
     } else if (to_narrow) {
-      kern.quantize[narrow_of(dst.dtype())][static_cast<int>(wide_of(src))](w, reinterpret_cast<uint8_t*>(o), cols, &one, cols, stream);
+      kern.quantize[narrow_of(dst.dtype())][static_cast<int>(wide_of(src))](w, reinterpret_cast<uint8_t*>(o), cols, &one, cols, stream, nullptr);
     } else {
       kern.dequantize[narrow_of(src.dtype())][static_cast<int>(wide_of(dst))](reinterpret_cast<const uint8_t*>(o), const_cast<char*>(w), cols, &one, cols, stream);
     }
