@@ -152,7 +152,7 @@ void per_block_cast_to_fp8_into(const Tensor& x, const Tensor& q, const Tensor& 
     std::vector<float> column_amax(static_cast<size_t>(k));
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < block_rows; ++b) {
-      const int64_t r0 = b * block_m, r1 = std::min(m, r0 + block_m);
+      const int64_t r0 = b * block_m, r1 = r0 + std::min(block_m, m - r0);  // no r0 + block_m: may overflow
       std::fill(column_amax.begin(), column_amax.end(), 0.0f);
       for (int64_t r = r0; r < r1; ++r) kern.amax_accumulate[wide](row_ptr(x, r), k, column_amax.data());
       float* s = reinterpret_cast<float*>(row_ptr_mut(sf, b));
@@ -161,7 +161,7 @@ void per_block_cast_to_fp8_into(const Tensor& x, const Tensor& q, const Tensor& 
       finish_scales(s, ceil_div(k, block_k), kE4m3Max, use_ue8m0);
       for (int64_t r = r0; r < r1; ++r)
         kern.quantize[static_cast<int>(Narrow::e4m3)][wide](row_ptr(x, r), reinterpret_cast<uint8_t*>(row_ptr_mut(q, r)), k, s, block_k, stream,
-                                                            r + block_m < m ? row_ptr(x, r + block_m) : nullptr);
+                                                            block_m < m - r ? row_ptr(x, r + block_m) : nullptr);
     }
   }
 }
@@ -192,14 +192,14 @@ void per_channel_cast_to_fp8_into(const Tensor& x, const Tensor& q, const Tensor
   const bool stream = streaming(q);
 #pragma omp parallel for schedule(static) num_threads(threads_for(k * mn))
   for (int64_t g = 0; g < ceil_div(k, gran_k); ++g) {
-    const int64_t r0 = g * gran_k, r1 = std::min(k, r0 + gran_k);
+    const int64_t r0 = g * gran_k, r1 = r0 + std::min(gran_k, k - r0);
     float* s = reinterpret_cast<float*>(row_ptr_mut(sf, g));
     std::fill(s, s + mn, 0.0f);
     for (int64_t r = r0; r < r1; ++r) kern.amax_accumulate[wide](row_ptr(x, r), mn, s);
     finish_scales(s, mn, kE4m3Max, use_ue8m0);
     for (int64_t r = r0; r < r1; ++r)
       kern.quantize[static_cast<int>(Narrow::e4m3)][wide](row_ptr(x, r), reinterpret_cast<uint8_t*>(row_ptr_mut(q, r)), mn, s, 1, stream,
-                                                          r + gran_k < k ? row_ptr(x, r + gran_k) : nullptr);
+                                                          gran_k < k - r ? row_ptr(x, r + gran_k) : nullptr);
   }
 }
 
