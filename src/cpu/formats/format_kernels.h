@@ -21,8 +21,10 @@ struct FormatKernels {
   // q = narrow(x / sf[i / gran]); e2m1: n values into ceil(n/2) bytes, gran even or >= n.
   // stream = true: non-temporal stores (for outputs far larger than the cache).
   // prefetch (may be null): n elements the caller reads next, requested into L2 meanwhile.
+  // scales_from_amax: each sf is the cast's scale for its own group's amax (so |x/sf| is
+  // bounded by the format's max finite), which lets the encoder skip saturation.
   void (*quantize[3][2])(const void* x, uint8_t* q, int64_t n, const float* sf, int64_t gran, bool stream,
-                         const void* prefetch);
+                         const void* prefetch, bool scales_from_amax);
   // out = wide(decode(q) * sf[i / gran]).
   void (*dequantize[3][2])(const uint8_t* q, void* out, int64_t n, const float* sf, int64_t gran, bool stream);
   void (*f32_to_bf16)(const float* x, uint16_t* out, int64_t n);

@@ -96,7 +96,7 @@ void per_token_cast(const char* fn, const Tensor& x, const Tensor& q, const Tens
     kern.amax_groups[wide](row_ptr(x, r), k, gran_k, s);
     finish_scales(s, groups, max_code, use_ue8m0);
     kern.quantize[static_cast<int>(fmt)][wide](row_ptr(x, r), reinterpret_cast<uint8_t*>(row_ptr_mut(q, r)), k, s, gran_k, stream,
-                                               r + 1 < m ? row_ptr(x, r + 1) : nullptr);
+                                               r + 1 < m ? row_ptr(x, r + 1) : nullptr, true);
   }
 }
 
@@ -161,7 +161,7 @@ void per_block_cast_to_fp8_into(const Tensor& x, const Tensor& q, const Tensor& 
       finish_scales(s, ceil_div(k, block_k), kE4m3Max, use_ue8m0);
       for (int64_t r = r0; r < r1; ++r)
         kern.quantize[static_cast<int>(Narrow::e4m3)][wide](row_ptr(x, r), reinterpret_cast<uint8_t*>(row_ptr_mut(q, r)), k, s, block_k, stream,
-                                                            block_m < m - r ? row_ptr(x, r + block_m) : nullptr);
+                                                            block_m < m - r ? row_ptr(x, r + block_m) : nullptr, true);
     }
   }
 }
@@ -199,7 +199,7 @@ void per_channel_cast_to_fp8_into(const Tensor& x, const Tensor& q, const Tensor
     finish_scales(s, mn, kE4m3Max, use_ue8m0);
     for (int64_t r = r0; r < r1; ++r)
       kern.quantize[static_cast<int>(Narrow::e4m3)][wide](row_ptr(x, r), reinterpret_cast<uint8_t*>(row_ptr_mut(q, r)), mn, s, 1, stream,
-                                                          gran_k < k - r ? row_ptr(x, r + gran_k) : nullptr);
+                                                          gran_k < k - r ? row_ptr(x, r + gran_k) : nullptr, true);
   }
 }
 
@@ -392,7 +392,7 @@ void convert(const Tensor& src, const Tensor& dst) {
       else if (src.dtype() == DType::f32) kern.f32_to_bf16(reinterpret_cast<const float*>(w), reinterpret_cast<uint16_t*>(o), cols);
       else kern.bf16_to_f32(reinterpret_cast<const uint16_t*>(w), reinterpret_cast<float*>(o), cols);
     } else if (to_narrow) {
-      kern.quantize[narrow_of(dst.dtype())][static_cast<int>(wide_of(src))](w, reinterpret_cast<uint8_t*>(o), cols, &one, cols, stream, nullptr);
+      kern.quantize[narrow_of(dst.dtype())][static_cast<int>(wide_of(src))](w, reinterpret_cast<uint8_t*>(o), cols, &one, cols, stream, nullptr, false);
     } else {
       kern.dequantize[narrow_of(src.dtype())][static_cast<int>(wide_of(dst))](reinterpret_cast<const uint8_t*>(o), const_cast<char*>(w), cols, &one, cols, stream);
     }
