@@ -55,14 +55,7 @@ bool bf16_is_nan(uint16_t b) { return (b & 0x7f80) == 0x7f80 && (b & 0x7f) != 0;
                                        << " vs " << std::signbit(want) << ")";
 }
 
-template <class Body>
-void for_each_isa(Body body) {
-  for (Isa isa : moekit::testing::supported_isas()) {
-    SCOPED_TRACE(std::string("isa=") + isa_name(isa));
-    ScopedIsa scoped(isa);
-    body(isa);
-  }
-}
+using moekit::testing::for_each_isa;
 
 // ---------------------------------------------------------------- independent tables
 // e4m3fn: s1 e4 (bias 7) m3, subnormals m/8 * 2^-6, only S.1111.111 special (NaN).

@@ -35,14 +35,7 @@ std::string hex(uint64_t v) {
   return buf;
 }
 
-template <class Body>
-void for_each_isa(Body body) {
-  for (Isa isa : moekit::testing::supported_isas()) {
-    SCOPED_TRACE(std::string("isa=") + isa_name(isa));
-    ScopedIsa scoped(isa);
-    body(isa);
-  }
-}
+using moekit::testing::for_each_isa;
 
 // Restores the thread count on scope exit.
 struct ThreadGuard {
