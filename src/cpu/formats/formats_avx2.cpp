@@ -35,7 +35,6 @@ struct V {
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static F div(F a, F b) { return _mm256_div_ps(a, b); }
   static I max(I a, I b) { return _mm256_max_epi32(a, b); }
-  static F abs(F a) { return from_bits(and_(bits(a), seti(0x7fffffff))); }
   static F lut8(const float* table, I idx) { return _mm256_permutevar8x32_ps(_mm256_load_ps(table), idx); }
   static F to_float(I a) { return _mm256_cvtepi32_ps(a); }
   static int32_t hmax(I a) {

@@ -37,7 +37,6 @@ struct V {
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static F div(F a, F b) { return _mm512_div_ps(a, b); }
   static I max(I a, I b) { return _mm512_max_epi32(a, b); }
-  static F abs(F a) { return from_bits(and_(bits(a), seti(0x7fffffff))); }
   static F lut8(const float* table, I idx) {
     return _mm512_permutexvar_ps(idx, _mm512_castps256_ps512(_mm256_load_ps(table)));  // idx < 8
   }

@@ -45,7 +45,6 @@ struct V {
   static F add(const F& a, const F& b) { return mapf(a, b, [](float x, float y) { return x + y; }); }
   static F mul(const F& a, const F& b) { return mapf(a, b, [](float x, float y) { return x * y; }); }
   static F div(const F& a, const F& b) { return mapf(a, b, [](float x, float y) { return x / y; }); }
-  static F abs(const F& a) { return from_bits(and_(bits(a), seti(0x7fffffff))); }
   static F lut8(const float* table, const I& idx) { F r; for (int i = 0; i < N; ++i) r.v[i] = table[idx.v[i] & 7]; return r; }
   static F to_float(const I& a) { F r; for (int i = 0; i < N; ++i) r.v[i] = static_cast<float>(a.v[i]); return r; }
   static int32_t hmax(const I& a) { int32_t m = a.v[0]; for (int i = 1; i < N; ++i) m = a.v[i] > m ? a.v[i] : m; return m; }
