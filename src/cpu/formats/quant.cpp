@@ -149,16 +149,21 @@ void per_block_cast_to_fp8_into(const Tensor& x, const Tensor& q, const Tensor& 
   const bool stream = streaming(q);
 #pragma omp parallel num_threads(threads_for(m * k))
   {
-    std::vector<float> column_amax(static_cast<size_t>(k));
+    const int64_t groups = ceil_div(k, block_k);
+    std::vector<float> row_amax(static_cast<size_t>(groups));
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < block_rows; ++b) {
       const int64_t r0 = b * block_m, r1 = r0 + std::min(block_m, m - r0);  // no r0 + block_m: may overflow
-      std::fill(column_amax.begin(), column_amax.end(), 0.0f);
-      for (int64_t r = r0; r < r1; ++r) kern.amax_accumulate[wide](row_ptr(x, r), k, column_amax.data());
       float* s = reinterpret_cast<float*>(row_ptr_mut(sf, b));
-      // The column maxima are non-negative, so the per-group max of them is the block amax.
-      kern.amax_groups[static_cast<int>(Wide::f32)](column_amax.data(), k, block_k, s);
-      finish_scales(s, ceil_div(k, block_k), kE4m3Max, use_ue8m0);
+      std::fill(s, s + groups, 0.0f);
+      // Block amax = max over its rows of each row's group amax. The amaxes are |x| (or NaN)
+      // bit patterns, so an integer max keeps NaN sticky exactly as the row kernel does.
+      for (int64_t r = r0; r < r1; ++r) {
+        kern.amax_groups[wide](row_ptr(x, r), k, block_k, row_amax.data());
+        for (int64_t g = 0; g < groups; ++g)
+          if (std::bit_cast<int32_t>(row_amax[g]) > std::bit_cast<int32_t>(s[g])) s[g] = row_amax[g];
+      }
+      finish_scales(s, groups, kE4m3Max, use_ue8m0);
       for (int64_t r = r0; r < r1; ++r)
         kern.quantize[static_cast<int>(Narrow::e4m3)][wide](row_ptr(x, r), reinterpret_cast<uint8_t*>(row_ptr_mut(q, r)), k, s, block_k, stream,
                                                             block_m < m - r ? row_ptr(x, r + block_m) : nullptr, true);
