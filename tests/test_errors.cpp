@@ -13,6 +13,7 @@
 #include "moekit/error.h"
 #include "moekit/formats.h"
 #include "moekit/tensor.h"
+#include "test_util.h"
 
 namespace {
 
@@ -21,20 +22,6 @@ using moekit::DType;
 using moekit::Shape;
 using moekit::Tensor;
 
-// Expects moekit::Error with argument() == arg (checked only when arg is non-empty).
-#define EXPECT_ERR(stmt, arg)                                                           \
-  do {                                                                                  \
-    try {                                                                               \
-      stmt;                                                                             \
-      ADD_FAILURE() << "no moekit::Error from: " #stmt;                                 \
-    } catch (const moekit::Error& e_) {                                                 \
-      if (std::string(arg).size()) {                                                  \
-        EXPECT_EQ(e_.argument(), std::string(arg)) << #stmt << " -> " << e_.what();  \
-      }                                                                               \
-    } catch (const std::exception& e_) {                                                \
-      ADD_FAILURE() << "wrong exception type from: " #stmt << " -> " << e_.what();     \
-    }                                                                                   \
-  } while (0)
 
 constexpr int64_t M = 4, K = 256;
 
@@ -68,8 +55,8 @@ Tensor filled(const Shape& shape, float value) {
 // ------------------------------------------------------------------ from_blob / null data
 
 TEST(Errors, NullDataIsRejectedAtFromBlob) {
-  EXPECT_ERR(Tensor::from_blob(static_cast<void*>(nullptr), {M, K}, DType::f32), "data");
-  EXPECT_ERR(Tensor::from_blob(static_cast<const void*>(nullptr), {1}, DType::e4m3), "data");
+  EXPECT_MOEKIT_ERROR_ARG(Tensor::from_blob(static_cast<void*>(nullptr), {M, K}, DType::f32), "data");
+  EXPECT_MOEKIT_ERROR_ARG(Tensor::from_blob(static_cast<const void*>(nullptr), {1}, DType::e4m3), "data");
   // Zero elements: a null pointer is fine, and the casts accept the empty tensor.
   const Tensor empty = Tensor::from_blob(static_cast<void*>(nullptr), {0, K}, DType::f32);
   const moekit::Quantized q = moekit::per_token_cast_to_fp8(empty, false);
@@ -84,13 +71,13 @@ TEST(Errors, PerTokenCastToFp8) {
   const Tensor x = filled({M, K}, 1.0f);
   for (auto& [what, t] : bad.variants(M, K, DType::f32, DType::i32)) {
     SCOPED_TRACE(what);
-    EXPECT_ERR(moekit::per_token_cast_to_fp8(t, false), "x");
-    EXPECT_ERR(moekit::per_token_cast_to_fp8(t, true, 64), "x");
+    EXPECT_MOEKIT_ERROR_ARG(moekit::per_token_cast_to_fp8(t, false), "x");
+    EXPECT_MOEKIT_ERROR_ARG(moekit::per_token_cast_to_fp8(t, true, 64), "x");
   }
-  EXPECT_ERR(moekit::per_token_cast_to_fp8(Tensor::zeros({M, K}, DType::e4m3), false), "x");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::per_token_cast_to_fp8(Tensor::zeros({M, K}, DType::e4m3), false), "x");
   for (int64_t g : {int64_t{0}, int64_t{-1}, int64_t{-128}}) {
     SCOPED_TRACE(g);
-    EXPECT_ERR(moekit::per_token_cast_to_fp8(x, false, g), "gran_k");
+    EXPECT_MOEKIT_ERROR_ARG(moekit::per_token_cast_to_fp8(x, false, g), "gran_k");
   }
   // Sanity: the good call works.
   EXPECT_NO_THROW(moekit::per_token_cast_to_fp8(x, false));
@@ -104,24 +91,24 @@ TEST(Errors, PerTokenCastToFp8Into) {
   EXPECT_NO_THROW(moekit::per_token_cast_to_fp8_into(x, q, sf, false));
   for (auto& [what, t] : bad.variants(M, K, DType::f32, DType::e4m3)) {
     SCOPED_TRACE("x: " + what);
-    EXPECT_ERR(moekit::per_token_cast_to_fp8_into(t, q, sf, false), "x");
+    EXPECT_MOEKIT_ERROR_ARG(moekit::per_token_cast_to_fp8_into(t, q, sf, false), "x");
   }
   for (auto& [what, t] : bad.variants(M, K, DType::e4m3, DType::e5m2)) {
     SCOPED_TRACE("q: " + what);
-    EXPECT_ERR(moekit::per_token_cast_to_fp8_into(x, t, sf, false), "q");
+    EXPECT_MOEKIT_ERROR_ARG(moekit::per_token_cast_to_fp8_into(x, t, sf, false), "q");
   }
   for (auto& [what, t] : bad.variants(M, 2, DType::f32, DType::i32)) {
     SCOPED_TRACE("sf: " + what);
-    EXPECT_ERR(moekit::per_token_cast_to_fp8_into(x, q, t, false), "sf");
+    EXPECT_MOEKIT_ERROR_ARG(moekit::per_token_cast_to_fp8_into(x, q, t, false), "sf");
   }
-  EXPECT_ERR(moekit::per_token_cast_to_fp8_into(x, Tensor::zeros({M, K - 1}, DType::e4m3), sf, false), "q");
-  EXPECT_ERR(moekit::per_token_cast_to_fp8_into(x, Tensor::zeros({M + 1, K}, DType::e4m3), sf, false), "q");
-  EXPECT_ERR(moekit::per_token_cast_to_fp8_into(x, q, Tensor::zeros({M, 3}, DType::f32), false), "sf");
-  EXPECT_ERR(moekit::per_token_cast_to_fp8_into(x, q, Tensor::zeros({M, 1}, DType::f32), false), "sf");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::per_token_cast_to_fp8_into(x, Tensor::zeros({M, K - 1}, DType::e4m3), sf, false), "q");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::per_token_cast_to_fp8_into(x, Tensor::zeros({M + 1, K}, DType::e4m3), sf, false), "q");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::per_token_cast_to_fp8_into(x, q, Tensor::zeros({M, 3}, DType::f32), false), "sf");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::per_token_cast_to_fp8_into(x, q, Tensor::zeros({M, 1}, DType::f32), false), "sf");
   // sf shaped for gran 128, call with gran 64.
-  EXPECT_ERR(moekit::per_token_cast_to_fp8_into(x, q, sf, false, 64), "sf");
-  EXPECT_ERR(moekit::per_token_cast_to_fp8_into(x, q, sf, false, 0), "gran_k");
-  EXPECT_ERR(moekit::per_token_cast_to_fp8_into(x, q, sf, true, -128), "gran_k");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::per_token_cast_to_fp8_into(x, q, sf, false, 64), "sf");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::per_token_cast_to_fp8_into(x, q, sf, false, 0), "gran_k");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::per_token_cast_to_fp8_into(x, q, sf, true, -128), "gran_k");
 }
 
 // Huge (but positive) granularities and counts: each is a legal value (a group larger than
@@ -157,8 +144,8 @@ TEST(Errors, HugeCountsDoNotOverflow) {
                    "gran_m", "cast_back_from_fp8");
   }
   // Counts that cannot match are rejected (and computing ceil(count/4) must not overflow).
-  EXPECT_ERR(moekit::unpack_ue8m0_from_int(Tensor::zeros({1, 2}, DType::i32), kMax), "groups");
-  EXPECT_ERR(moekit::cast_back_from_fp4(Tensor::zeros({1, 2}, DType::e2m1x2), filled({1, 1}, 1.0f), DType::f32, 1, 32, kMax), "k");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::unpack_ue8m0_from_int(Tensor::zeros({1, 2}, DType::i32), kMax), "groups");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp4(Tensor::zeros({1, 2}, DType::e2m1x2), filled({1, 1}, 1.0f), DType::f32, 1, 32, kMax), "k");
 }
 
 // ------------------------------------------------------------------ per-block fp8
@@ -169,12 +156,12 @@ TEST(Errors, PerBlockCastToFp8) {
   EXPECT_NO_THROW(moekit::per_block_cast_to_fp8(x, false));
   for (auto& [what, t] : bad.variants(M, K, DType::bf16, DType::e5m2)) {
     SCOPED_TRACE(what);
-    EXPECT_ERR(moekit::per_block_cast_to_fp8(t, false), "x");
+    EXPECT_MOEKIT_ERROR_ARG(moekit::per_block_cast_to_fp8(t, false), "x");
   }
-  EXPECT_ERR(moekit::per_block_cast_to_fp8(x, false, 0, 128), "block_m");
-  EXPECT_ERR(moekit::per_block_cast_to_fp8(x, false, -1, 128), "block_m");
-  EXPECT_ERR(moekit::per_block_cast_to_fp8(x, false, 128, 0), "block_k");
-  EXPECT_ERR(moekit::per_block_cast_to_fp8(x, true, 128, -64), "block_k");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::per_block_cast_to_fp8(x, false, 0, 128), "block_m");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::per_block_cast_to_fp8(x, false, -1, 128), "block_m");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::per_block_cast_to_fp8(x, false, 128, 0), "block_k");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::per_block_cast_to_fp8(x, true, 128, -64), "block_k");
 }
 
 TEST(Errors, PerBlockCastToFp8Into) {
@@ -185,21 +172,21 @@ TEST(Errors, PerBlockCastToFp8Into) {
   EXPECT_NO_THROW(moekit::per_block_cast_to_fp8_into(x, q, sf, false));
   for (auto& [what, t] : bad.variants(M, K, DType::f32, DType::u8)) {
     SCOPED_TRACE("x: " + what);
-    EXPECT_ERR(moekit::per_block_cast_to_fp8_into(t, q, sf, false), "x");
+    EXPECT_MOEKIT_ERROR_ARG(moekit::per_block_cast_to_fp8_into(t, q, sf, false), "x");
   }
   for (auto& [what, t] : bad.variants(M, K, DType::e4m3, DType::f32)) {
     SCOPED_TRACE("q: " + what);
-    EXPECT_ERR(moekit::per_block_cast_to_fp8_into(x, t, sf, false), "q");
+    EXPECT_MOEKIT_ERROR_ARG(moekit::per_block_cast_to_fp8_into(x, t, sf, false), "q");
   }
   for (auto& [what, t] : bad.variants(1, 2, DType::f32, DType::bf16)) {
     SCOPED_TRACE("sf: " + what);
-    EXPECT_ERR(moekit::per_block_cast_to_fp8_into(x, q, t, false), "sf");
+    EXPECT_MOEKIT_ERROR_ARG(moekit::per_block_cast_to_fp8_into(x, q, t, false), "sf");
   }
-  EXPECT_ERR(moekit::per_block_cast_to_fp8_into(x, q, Tensor::zeros({4, 2}, DType::f32), false), "sf");
-  EXPECT_ERR(moekit::per_block_cast_to_fp8_into(x, q, sf, false, 2, 128), "sf");  // needs [2, 2]
-  EXPECT_ERR(moekit::per_block_cast_to_fp8_into(x, Tensor::zeros({K, M}, DType::e4m3), sf, false), "q");
-  EXPECT_ERR(moekit::per_block_cast_to_fp8_into(x, q, sf, false, 0, 128), "block_m");
-  EXPECT_ERR(moekit::per_block_cast_to_fp8_into(x, q, sf, false, 128, -1), "block_k");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::per_block_cast_to_fp8_into(x, q, Tensor::zeros({4, 2}, DType::f32), false), "sf");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::per_block_cast_to_fp8_into(x, q, sf, false, 2, 128), "sf");  // needs [2, 2]
+  EXPECT_MOEKIT_ERROR_ARG(moekit::per_block_cast_to_fp8_into(x, Tensor::zeros({K, M}, DType::e4m3), sf, false), "q");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::per_block_cast_to_fp8_into(x, q, sf, false, 0, 128), "block_m");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::per_block_cast_to_fp8_into(x, q, sf, false, 128, -1), "block_k");
 }
 
 // ------------------------------------------------------------------ per-channel fp8
@@ -210,10 +197,10 @@ TEST(Errors, PerChannelCastToFp8) {
   EXPECT_NO_THROW(moekit::per_channel_cast_to_fp8(x, false));
   for (auto& [what, t] : bad.variants(K, M, DType::f32, DType::i64)) {
     SCOPED_TRACE(what);
-    EXPECT_ERR(moekit::per_channel_cast_to_fp8(t, false), "x");
+    EXPECT_MOEKIT_ERROR_ARG(moekit::per_channel_cast_to_fp8(t, false), "x");
   }
-  EXPECT_ERR(moekit::per_channel_cast_to_fp8(x, false, 0), "gran_k");
-  EXPECT_ERR(moekit::per_channel_cast_to_fp8(x, true, -5), "gran_k");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::per_channel_cast_to_fp8(x, false, 0), "gran_k");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::per_channel_cast_to_fp8(x, true, -5), "gran_k");
 }
 
 TEST(Errors, PerChannelCastToFp8Into) {
@@ -224,20 +211,20 @@ TEST(Errors, PerChannelCastToFp8Into) {
   EXPECT_NO_THROW(moekit::per_channel_cast_to_fp8_into(x, q, sf, false));
   for (auto& [what, t] : bad.variants(K, M, DType::f32, DType::i8)) {
     SCOPED_TRACE("x: " + what);
-    EXPECT_ERR(moekit::per_channel_cast_to_fp8_into(t, q, sf, false), "x");
+    EXPECT_MOEKIT_ERROR_ARG(moekit::per_channel_cast_to_fp8_into(t, q, sf, false), "x");
   }
   for (auto& [what, t] : bad.variants(K, M, DType::e4m3, DType::e2m1x2)) {
     SCOPED_TRACE("q: " + what);
-    EXPECT_ERR(moekit::per_channel_cast_to_fp8_into(x, t, sf, false), "q");
+    EXPECT_MOEKIT_ERROR_ARG(moekit::per_channel_cast_to_fp8_into(x, t, sf, false), "q");
   }
   for (auto& [what, t] : bad.variants(2, M, DType::f32, DType::i32)) {
     SCOPED_TRACE("sf: " + what);
-    EXPECT_ERR(moekit::per_channel_cast_to_fp8_into(x, q, t, false), "sf");
+    EXPECT_MOEKIT_ERROR_ARG(moekit::per_channel_cast_to_fp8_into(x, q, t, false), "sf");
   }
   // The per-token sf shape [MN, ceil(K/128)] is the wrong orientation here.
-  EXPECT_ERR(moekit::per_channel_cast_to_fp8_into(x, q, Tensor::zeros({M, 2}, DType::f32), false), "sf");
-  EXPECT_ERR(moekit::per_channel_cast_to_fp8_into(x, Tensor::zeros({M, K}, DType::e4m3), sf, false), "q");
-  EXPECT_ERR(moekit::per_channel_cast_to_fp8_into(x, q, sf, false, 0), "gran_k");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::per_channel_cast_to_fp8_into(x, q, Tensor::zeros({M, 2}, DType::f32), false), "sf");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::per_channel_cast_to_fp8_into(x, Tensor::zeros({M, K}, DType::e4m3), sf, false), "q");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::per_channel_cast_to_fp8_into(x, q, sf, false, 0), "gran_k");
 }
 
 // ------------------------------------------------------------------ per-token fp4
@@ -248,12 +235,12 @@ TEST(Errors, PerTokenCastToFp4) {
   EXPECT_NO_THROW(moekit::per_token_cast_to_fp4(x, true));
   for (auto& [what, t] : bad.variants(M, K, DType::f32, DType::e2m1x2)) {
     SCOPED_TRACE(what);
-    EXPECT_ERR(moekit::per_token_cast_to_fp4(t, false), "x");
+    EXPECT_MOEKIT_ERROR_ARG(moekit::per_token_cast_to_fp4(t, false), "x");
   }
-  EXPECT_ERR(moekit::per_token_cast_to_fp4(x, false, 0), "gran_k");
-  EXPECT_ERR(moekit::per_token_cast_to_fp4(x, false, -32), "gran_k");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::per_token_cast_to_fp4(x, false, 0), "gran_k");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::per_token_cast_to_fp4(x, false, -32), "gran_k");
   // Odd groups would split a packed byte between two scales.
-  EXPECT_ERR(moekit::per_token_cast_to_fp4(x, false, 31), "gran_k");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::per_token_cast_to_fp4(x, false, 31), "gran_k");
 }
 
 TEST(Errors, PerTokenCastToFp4Into) {
@@ -264,21 +251,21 @@ TEST(Errors, PerTokenCastToFp4Into) {
   EXPECT_NO_THROW(moekit::per_token_cast_to_fp4_into(x, q, sf, false));
   for (auto& [what, t] : bad.variants(M, K, DType::bf16, DType::f16)) {
     SCOPED_TRACE("x: " + what);
-    EXPECT_ERR(moekit::per_token_cast_to_fp4_into(t, q, sf, false), "x");
+    EXPECT_MOEKIT_ERROR_ARG(moekit::per_token_cast_to_fp4_into(t, q, sf, false), "x");
   }
   for (auto& [what, t] : bad.variants(M, K / 2, DType::e2m1x2, DType::e4m3)) {
     SCOPED_TRACE("q: " + what);
-    EXPECT_ERR(moekit::per_token_cast_to_fp4_into(x, t, sf, false), "q");
+    EXPECT_MOEKIT_ERROR_ARG(moekit::per_token_cast_to_fp4_into(x, t, sf, false), "q");
   }
   for (auto& [what, t] : bad.variants(M, K / 32, DType::f32, DType::i32)) {
     SCOPED_TRACE("sf: " + what);
-    EXPECT_ERR(moekit::per_token_cast_to_fp4_into(x, q, t, false), "sf");
+    EXPECT_MOEKIT_ERROR_ARG(moekit::per_token_cast_to_fp4_into(x, q, t, false), "sf");
   }
   // q with K (unpacked) columns instead of K/2 bytes.
-  EXPECT_ERR(moekit::per_token_cast_to_fp4_into(x, Tensor::zeros({M, K}, DType::e2m1x2), sf, false), "q");
-  EXPECT_ERR(moekit::per_token_cast_to_fp4_into(x, q, Tensor::zeros({M, 2}, DType::f32), false), "sf");
-  EXPECT_ERR(moekit::per_token_cast_to_fp4_into(x, q, sf, false, 0), "gran_k");
-  EXPECT_ERR(moekit::per_token_cast_to_fp4_into(x, q, sf, false, 7), "gran_k");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::per_token_cast_to_fp4_into(x, Tensor::zeros({M, K}, DType::e2m1x2), sf, false), "q");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::per_token_cast_to_fp4_into(x, q, Tensor::zeros({M, 2}, DType::f32), false), "sf");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::per_token_cast_to_fp4_into(x, q, sf, false, 0), "gran_k");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::per_token_cast_to_fp4_into(x, q, sf, false, 7), "gran_k");
 }
 
 // ------------------------------------------------------------------ cast back
@@ -292,25 +279,25 @@ TEST(Errors, CastBackFromFp8) {
   for (auto& [what, t] : bad.variants(M, K, DType::e4m3, DType::e5m2)) {
     if (what == "cuda device") continue;
     SCOPED_TRACE("q: " + what);
-    EXPECT_ERR(moekit::cast_back_from_fp8(t, sf), "q");
+    EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp8(t, sf), "q");
   }
   for (auto& [what, t] : bad.variants(M, 2, DType::f32, DType::bf16)) {
     SCOPED_TRACE("sf: " + what);
-    EXPECT_ERR(moekit::cast_back_from_fp8(q, t), "sf");
+    EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp8(q, t), "sf");
   }
-  EXPECT_ERR(moekit::cast_back_from_fp8(q, Tensor::zeros({M, 3}, DType::f32)), "sf");
-  EXPECT_ERR(moekit::cast_back_from_fp8(q, Tensor::zeros({M - 1, 2}, DType::f32)), "sf");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp8(q, Tensor::zeros({M, 3}, DType::f32)), "sf");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp8(q, Tensor::zeros({M - 1, 2}, DType::f32)), "sf");
   // Packed ue8m0: [M, ceil(2/4)] = [M, 1]; [M, 2] words is wrong.
   EXPECT_NO_THROW(moekit::cast_back_from_fp8(q, Tensor::zeros({M, 1}, DType::i32)));
-  EXPECT_ERR(moekit::cast_back_from_fp8(q, Tensor::zeros({M, 2}, DType::i32)), "sf");
-  EXPECT_ERR(moekit::cast_back_from_fp8(q, sf, DType::i32), "out");
-  EXPECT_ERR(moekit::cast_back_from_fp8(q, sf, DType::e4m3), "out");
-  EXPECT_ERR(moekit::cast_back_from_fp8(q, sf, DType::f32, 0, 128), "gran_m");
-  EXPECT_ERR(moekit::cast_back_from_fp8(q, sf, DType::f32, -1, 128), "gran_m");
-  EXPECT_ERR(moekit::cast_back_from_fp8(q, sf, DType::f32, 1, 0), "gran_k");
-  EXPECT_ERR(moekit::cast_back_from_fp8(q, sf, DType::f32, 1, -128), "gran_k");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp8(q, Tensor::zeros({M, 2}, DType::i32)), "sf");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp8(q, sf, DType::i32), "out");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp8(q, sf, DType::e4m3), "out");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp8(q, sf, DType::f32, 0, 128), "gran_m");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp8(q, sf, DType::f32, -1, 128), "gran_m");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp8(q, sf, DType::f32, 1, 0), "gran_k");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp8(q, sf, DType::f32, 1, -128), "gran_k");
   // Block grid 128x128 needs sf [1, 2].
-  EXPECT_ERR(moekit::cast_back_from_fp8(q, sf, DType::f32, 128, 128), "sf");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp8(q, sf, DType::f32, 128, 128), "sf");
 }
 
 TEST(Errors, CastBackFromFp8Into) {
@@ -321,23 +308,23 @@ TEST(Errors, CastBackFromFp8Into) {
   EXPECT_NO_THROW(moekit::cast_back_from_fp8_into(q, sf, out));
   for (auto& [what, t] : bad.variants(M, K, DType::f32, DType::i32)) {
     SCOPED_TRACE("out: " + what);
-    EXPECT_ERR(moekit::cast_back_from_fp8_into(q, sf, t), "out");
+    EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp8_into(q, sf, t), "out");
   }
   for (auto& [what, t] : bad.variants(M, 2, DType::f32, DType::u8)) {
     SCOPED_TRACE("sf: " + what);
-    EXPECT_ERR(moekit::cast_back_from_fp8_into(q, t, out), "sf");
+    EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp8_into(q, t, out), "sf");
   }
   // q variants other than the cuda label (which takes the GPU path, below).
   for (auto& [what, t] : bad.variants(M, K, DType::e4m3, DType::f32)) {
     if (what == "cuda device") continue;
     SCOPED_TRACE("q: " + what);
-    EXPECT_ERR(moekit::cast_back_from_fp8_into(t, sf, out), "q");
+    EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp8_into(t, sf, out), "q");
   }
   // q / out disagree in shape: one of the two is named.
-  EXPECT_ERR(moekit::cast_back_from_fp8_into(q, sf, Tensor::zeros({M, K + 1}, DType::f32)), "");
-  EXPECT_ERR(moekit::cast_back_from_fp8_into(q, sf, Tensor::zeros({M + 1, K}, DType::f32)), "");
-  EXPECT_ERR(moekit::cast_back_from_fp8_into(q, sf, out, 0, 128), "gran_m");
-  EXPECT_ERR(moekit::cast_back_from_fp8_into(q, sf, out, 1, 0), "gran_k");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp8_into(q, sf, Tensor::zeros({M, K + 1}, DType::f32)), "");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp8_into(q, sf, Tensor::zeros({M + 1, K}, DType::f32)), "");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp8_into(q, sf, out, 0, 128), "gran_m");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp8_into(q, sf, out, 1, 0), "gran_k");
 }
 
 TEST(Errors, CastBackFromFp8MixedDevices) {
@@ -348,37 +335,37 @@ TEST(Errors, CastBackFromFp8MixedDevices) {
   const Tensor qg = Tensor::from_blob(qh.data(), {M, K}, DType::e4m3, gpu);
   const Tensor sfg = Tensor::from_blob(sfh.data(), {M, 2}, DType::f32, gpu);
   const Tensor outg = Tensor::from_blob(outh.data(), {M, K}, DType::f32, gpu);
-  EXPECT_ERR(moekit::cast_back_from_fp8_into(qg, sfh, outg), "sf");
-  EXPECT_ERR(moekit::cast_back_from_fp8_into(qg, sfg, outh), "out");
-  EXPECT_ERR(moekit::cast_back_from_fp8_into(qg, sfg, Tensor()), "out");
-  EXPECT_ERR(moekit::cast_back_from_fp8_into(qg, Tensor(), outg), "sf");
-  EXPECT_ERR(moekit::cast_back_from_fp8_into(qg, sfg, Tensor::from_blob(outh.data(), {M, K}, DType::f32, Device::cuda(1))), "out");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp8_into(qg, sfh, outg), "sf");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp8_into(qg, sfg, outh), "out");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp8_into(qg, sfg, Tensor()), "out");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp8_into(qg, Tensor(), outg), "sf");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp8_into(qg, sfg, Tensor::from_blob(outh.data(), {M, K}, DType::f32, Device::cuda(1))), "out");
   // GPU path validation: dtypes, shapes, granularities, strides.
-  EXPECT_ERR(moekit::cast_back_from_fp8_into(Tensor::from_blob(qh.data(), {M, K}, DType::e5m2, gpu), sfg, outg), "q");
-  EXPECT_ERR(moekit::cast_back_from_fp8_into(qg, Tensor::from_blob(sfh.data(), {M, 2}, DType::i32, gpu), outg), "sf");
-  EXPECT_ERR(moekit::cast_back_from_fp8_into(qg, sfg, Tensor::from_blob(outh.data(), {M, K / 2}, DType::bf16, gpu)), "out");
-  EXPECT_ERR(moekit::cast_back_from_fp8_into(qg, sfg, Tensor::from_blob(outh.data(), {M * K}, DType::f32, gpu)), "out");
-  EXPECT_ERR(moekit::cast_back_from_fp8_into(qg, sfg, Tensor::from_blob(outh.data(), {M, K / 2}, DType::f32, gpu)), "q");
-  EXPECT_ERR(moekit::cast_back_from_fp8_into(qg, Tensor::from_blob(sfh.data(), {M, 1}, DType::f32, gpu), outg), "sf");
-  EXPECT_ERR(moekit::cast_back_from_fp8_into(qg, sfg, outg, 0, 128), "gran_m");
-  EXPECT_ERR(moekit::cast_back_from_fp8_into(qg, sfg, outg, 1, -1), "gran_k");
-  EXPECT_ERR(moekit::cast_back_from_fp8_into(
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp8_into(Tensor::from_blob(qh.data(), {M, K}, DType::e5m2, gpu), sfg, outg), "q");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp8_into(qg, Tensor::from_blob(sfh.data(), {M, 2}, DType::i32, gpu), outg), "sf");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp8_into(qg, sfg, Tensor::from_blob(outh.data(), {M, K / 2}, DType::bf16, gpu)), "out");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp8_into(qg, sfg, Tensor::from_blob(outh.data(), {M * K}, DType::f32, gpu)), "out");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp8_into(qg, sfg, Tensor::from_blob(outh.data(), {M, K / 2}, DType::f32, gpu)), "q");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp8_into(qg, Tensor::from_blob(sfh.data(), {M, 1}, DType::f32, gpu), outg), "sf");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp8_into(qg, sfg, outg, 0, 128), "gran_m");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp8_into(qg, sfg, outg, 1, -1), "gran_k");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp8_into(
                  Tensor::from_blob(qh.data(), {M, K / 2}, DType::e4m3, gpu, {K, 2}), sfg,
                  Tensor::from_blob(outh.data(), {M, K / 2}, DType::f32, gpu), 1, 64),
              "q");
   // A CPU q with GPU-labelled companions: the CPU path rejects them.
-  EXPECT_ERR(moekit::cast_back_from_fp8_into(qh, sfg, outh), "sf");
-  EXPECT_ERR(moekit::cast_back_from_fp8_into(qh, sfh, outg), "out");
-  EXPECT_ERR(moekit::cast_back_from_fp8(qh, sfg), "sf");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp8_into(qh, sfg, outh), "sf");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp8_into(qh, sfh, outg), "out");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp8(qh, sfg), "sf");
   // GPU q, but a bad dtype / rank: rejected before anything is allocated or launched.
-  EXPECT_ERR(moekit::cast_back_from_fp8(Tensor::from_blob(qh.data(), {M, K}, DType::u8, gpu), sfg), "q");
-  EXPECT_ERR(moekit::cast_back_from_fp8(Tensor::from_blob(qh.data(), {M * K}, DType::e4m3, gpu), sfg), "q");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp8(Tensor::from_blob(qh.data(), {M, K}, DType::u8, gpu), sfg), "q");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp8(Tensor::from_blob(qh.data(), {M * K}, DType::e4m3, gpu), sfg), "q");
 #ifndef MOEKIT_WITH_CUDA
   // Everything valid and on the GPU, but no CUDA backend: a clear error (from the kernel
   // stub, or from allocating the output on the GPU).
-  EXPECT_ERR(moekit::cast_back_from_fp8_into(qg, sfg, outg), "");
-  EXPECT_ERR(moekit::cast_back_from_fp8(qg, sfg), "");
-  EXPECT_ERR(moekit::cast_back_from_fp8(qg, sfh), "");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp8_into(qg, sfg, outg), "");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp8(qg, sfg), "");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp8(qg, sfh), "");
 #endif
 }
 
@@ -389,24 +376,24 @@ TEST(Errors, CastBackFromFp4) {
   EXPECT_NO_THROW(moekit::cast_back_from_fp4(q, sf));
   for (auto& [what, t] : bad.variants(M, K / 2, DType::e2m1x2, DType::u8)) {
     SCOPED_TRACE("q: " + what);
-    EXPECT_ERR(moekit::cast_back_from_fp4(t, sf), "q");
+    EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp4(t, sf), "q");
   }
   for (auto& [what, t] : bad.variants(M, K / 32, DType::f32, DType::e4m3)) {
     SCOPED_TRACE("sf: " + what);
-    EXPECT_ERR(moekit::cast_back_from_fp4(q, t), "sf");
+    EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp4(q, t), "sf");
   }
   // k must be 2*W or 2*W-1 for W packed bytes per row.
   EXPECT_NO_THROW(moekit::cast_back_from_fp4(q, sf, DType::f32, 1, 32, K - 1));
-  EXPECT_ERR(moekit::cast_back_from_fp4(q, sf, DType::f32, 1, 32, K + 1), "k");
-  EXPECT_ERR(moekit::cast_back_from_fp4(q, sf, DType::f32, 1, 32, K - 2), "k");
-  EXPECT_ERR(moekit::cast_back_from_fp4(q, sf, DType::f32, 1, 32, 0), "k");
-  EXPECT_ERR(moekit::cast_back_from_fp4(q, sf, DType::e2m1x2), "out");
-  EXPECT_ERR(moekit::cast_back_from_fp4(q, sf, DType::f32, 0, 32), "gran_m");
-  EXPECT_ERR(moekit::cast_back_from_fp4(q, sf, DType::f32, 1, 0), "gran_k");
-  EXPECT_ERR(moekit::cast_back_from_fp4(q, sf, DType::f32, 1, -32), "gran_k");
-  EXPECT_ERR(moekit::cast_back_from_fp4(q, sf, DType::f32, 1, 31), "gran_k");  // odd group in packed data
-  EXPECT_ERR(moekit::cast_back_from_fp4(q, Tensor::zeros({M, K / 16}, DType::f32)), "sf");
-  EXPECT_ERR(moekit::cast_back_from_fp4(q, Tensor::zeros({M, 3}, DType::i32)), "sf");  // needs ceil(8/4) = 2 words
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp4(q, sf, DType::f32, 1, 32, K + 1), "k");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp4(q, sf, DType::f32, 1, 32, K - 2), "k");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp4(q, sf, DType::f32, 1, 32, 0), "k");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp4(q, sf, DType::e2m1x2), "out");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp4(q, sf, DType::f32, 0, 32), "gran_m");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp4(q, sf, DType::f32, 1, 0), "gran_k");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp4(q, sf, DType::f32, 1, -32), "gran_k");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp4(q, sf, DType::f32, 1, 31), "gran_k");  // odd group in packed data
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp4(q, Tensor::zeros({M, K / 16}, DType::f32)), "sf");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp4(q, Tensor::zeros({M, 3}, DType::i32)), "sf");  // needs ceil(8/4) = 2 words
   EXPECT_NO_THROW(moekit::cast_back_from_fp4(q, Tensor::zeros({M, 2}, DType::i32)));
 }
 
@@ -418,20 +405,20 @@ TEST(Errors, CastBackFromFp4Into) {
   EXPECT_NO_THROW(moekit::cast_back_from_fp4_into(q, sf, out));
   for (auto& [what, t] : bad.variants(M, K, DType::bf16, DType::e2m1x2)) {
     SCOPED_TRACE("out: " + what);
-    EXPECT_ERR(moekit::cast_back_from_fp4_into(q, sf, t), "out");
+    EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp4_into(q, sf, t), "out");
   }
   for (auto& [what, t] : bad.variants(M, K / 2, DType::e2m1x2, DType::e4m3)) {
     SCOPED_TRACE("q: " + what);
-    EXPECT_ERR(moekit::cast_back_from_fp4_into(t, sf, out), "q");
+    EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp4_into(t, sf, out), "q");
   }
   for (auto& [what, t] : bad.variants(M, K / 32, DType::f32, DType::f16)) {
     SCOPED_TRACE("sf: " + what);
-    EXPECT_ERR(moekit::cast_back_from_fp4_into(q, t, out), "sf");
+    EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp4_into(q, t, out), "sf");
   }
   // out given in packed bytes instead of values: q / out disagree.
-  EXPECT_ERR(moekit::cast_back_from_fp4_into(q, sf, Tensor::zeros({M, K / 2}, DType::f32)), "");
-  EXPECT_ERR(moekit::cast_back_from_fp4_into(q, sf, out, 0, 32), "gran_m");
-  EXPECT_ERR(moekit::cast_back_from_fp4_into(q, sf, out, 1, 0), "gran_k");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp4_into(q, sf, Tensor::zeros({M, K / 2}, DType::f32)), "");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp4_into(q, sf, out, 0, 32), "gran_m");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp4_into(q, sf, out, 1, 0), "gran_k");
 }
 
 // ------------------------------------------------------------------ scale helpers
@@ -440,24 +427,24 @@ TEST(Errors, CeilToUe8m0Scalar) {
   for (float bad : {0.0f, -0.0f, -1.0f, -0.25f, std::numeric_limits<float>::infinity(),
                     -std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()}) {
     SCOPED_TRACE(bad);
-    EXPECT_ERR(moekit::ceil_to_ue8m0(bad), "sf");
+    EXPECT_MOEKIT_ERROR_ARG(moekit::ceil_to_ue8m0(bad), "sf");
   }
   EXPECT_EQ(moekit::ceil_to_ue8m0(0.3f), 0.5f);
 }
 
 TEST(Errors, CeilToUe8m0Tensor) {
   float buf[4] = {0.3f, 1.0f, 3.0f, 0.01f};
-  EXPECT_ERR(moekit::ceil_to_ue8m0(Tensor()), "sf");
-  EXPECT_ERR(moekit::ceil_to_ue8m0(Tensor::zeros({2, 2}, DType::bf16)), "sf");
-  EXPECT_ERR(moekit::ceil_to_ue8m0(Tensor::zeros({2, 2}, DType::i32)), "sf");
-  EXPECT_ERR(moekit::ceil_to_ue8m0(Tensor::from_blob(buf, {2, 2}, DType::f32, Device::cuda(0))), "sf");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::ceil_to_ue8m0(Tensor()), "sf");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::ceil_to_ue8m0(Tensor::zeros({2, 2}, DType::bf16)), "sf");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::ceil_to_ue8m0(Tensor::zeros({2, 2}, DType::i32)), "sf");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::ceil_to_ue8m0(Tensor::from_blob(buf, {2, 2}, DType::f32, Device::cuda(0))), "sf");
   // Non-positive or non-finite entries are errors, not garbage exponents.
   float zero[3] = {1.0f, 0.0f, 2.0f};
-  EXPECT_ERR(moekit::ceil_to_ue8m0(Tensor::from_blob(zero, {3}, DType::f32)), "sf");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::ceil_to_ue8m0(Tensor::from_blob(zero, {3}, DType::f32)), "sf");
   float neg[2] = {-1.0f, 2.0f};
-  EXPECT_ERR(moekit::ceil_to_ue8m0(Tensor::from_blob(neg, {1, 2}, DType::f32)), "sf");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::ceil_to_ue8m0(Tensor::from_blob(neg, {1, 2}, DType::f32)), "sf");
   float inf[2] = {1.0f, std::numeric_limits<float>::infinity()};
-  EXPECT_ERR(moekit::ceil_to_ue8m0(Tensor::from_blob(inf, {2, 1}, DType::f32)), "sf");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::ceil_to_ue8m0(Tensor::from_blob(inf, {2, 1}, DType::f32)), "sf");
   // Any rank and strided input are accepted (elementwise), with correct values.
   const Tensor strided = Tensor::from_blob(buf, {2, 2}, DType::f32).t();
   const Tensor r = moekit::ceil_to_ue8m0(strided);
@@ -472,7 +459,7 @@ TEST(Errors, F32ToUe8m0Scalar) {
   for (float bad : {3.0f, 0.0f, -2.0f, 0.75f, std::numeric_limits<float>::infinity(),
                     std::numeric_limits<float>::quiet_NaN()}) {
     SCOPED_TRACE(bad);
-    EXPECT_ERR(moekit::f32_to_ue8m0(bad), "power_of_two");
+    EXPECT_MOEKIT_ERROR_ARG(moekit::f32_to_ue8m0(bad), "power_of_two");
   }
   EXPECT_EQ(moekit::f32_to_ue8m0(1.0f), 127);
 }
@@ -484,13 +471,13 @@ TEST(Errors, PackUe8m0ToInt) {
   EXPECT_NO_THROW(moekit::pack_ue8m0_to_int(sf));
   for (auto& [what, t] : bad.variants(2, 4, DType::f32, DType::i32)) {
     SCOPED_TRACE(what);
-    EXPECT_ERR(moekit::pack_ue8m0_to_int(t), "sf");
+    EXPECT_MOEKIT_ERROR_ARG(moekit::pack_ue8m0_to_int(t), "sf");
   }
   for (float v : {3.0f, 0.0f, -2.0f, 0.3f, std::numeric_limits<float>::infinity(),
                   std::numeric_limits<float>::quiet_NaN(), 1e-40f /* subnormal */}) {
     SCOPED_TRACE(v);
     float buf[4] = {1.0f, 2.0f, v, 4.0f};
-    EXPECT_ERR(moekit::pack_ue8m0_to_int(Tensor::from_blob(buf, {1, 4}, DType::f32)), "sf");
+    EXPECT_MOEKIT_ERROR_ARG(moekit::pack_ue8m0_to_int(Tensor::from_blob(buf, {1, 4}, DType::f32)), "sf");
   }
 }
 
@@ -501,11 +488,11 @@ TEST(Errors, UnpackUe8m0FromInt) {
   EXPECT_NO_THROW(moekit::unpack_ue8m0_from_int(packed, 5));
   for (auto& [what, t] : bad.variants(3, 2, DType::i32, DType::f32)) {
     SCOPED_TRACE(what);
-    EXPECT_ERR(moekit::unpack_ue8m0_from_int(t), "packed");
+    EXPECT_MOEKIT_ERROR_ARG(moekit::unpack_ue8m0_from_int(t), "packed");
   }
-  EXPECT_ERR(moekit::unpack_ue8m0_from_int(packed, 9), "groups");   // needs 3 words
-  EXPECT_ERR(moekit::unpack_ue8m0_from_int(packed, 4), "groups");   // fits in 1 word
-  EXPECT_ERR(moekit::unpack_ue8m0_from_int(packed, 0), "groups");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::unpack_ue8m0_from_int(packed, 9), "groups");   // needs 3 words
+  EXPECT_MOEKIT_ERROR_ARG(moekit::unpack_ue8m0_from_int(packed, 4), "groups");   // fits in 1 word
+  EXPECT_MOEKIT_ERROR_ARG(moekit::unpack_ue8m0_from_int(packed, 0), "groups");
 }
 
 TEST(Errors, NegativeCountsOtherThanDefaultRejected) {
@@ -514,11 +501,11 @@ TEST(Errors, NegativeCountsOtherThanDefaultRejected) {
   // rejected rather than silently treated as the default.
   const Tensor q = Tensor::zeros({M, K / 2}, DType::e2m1x2);
   const Tensor sf = filled({M, K / 32}, 1.0f);
-  EXPECT_ERR(moekit::cast_back_from_fp4(q, sf, DType::f32, 1, 32, -2), "k");
-  EXPECT_ERR(moekit::cast_back_from_fp4(q, sf, DType::f32, 1, 32, -K), "k");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp4(q, sf, DType::f32, 1, 32, -2), "k");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp4(q, sf, DType::f32, 1, 32, -K), "k");
   const Tensor packed = Tensor::zeros({3, 2}, DType::i32);
-  EXPECT_ERR(moekit::unpack_ue8m0_from_int(packed, -2), "groups");
-  EXPECT_ERR(moekit::unpack_ue8m0_from_int(packed, -8), "groups");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::unpack_ue8m0_from_int(packed, -2), "groups");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::unpack_ue8m0_from_int(packed, -8), "groups");
 }
 
 // ------------------------------------------------------------------ convert
@@ -528,31 +515,31 @@ TEST(Errors, Convert) {
   const Tensor src = filled({M, 16}, 0.5f);
   const Tensor dst = Tensor::zeros({M, 16}, DType::e4m3);
   EXPECT_NO_THROW(moekit::convert(src, dst));
-  EXPECT_ERR(moekit::convert(Tensor(), dst), "src");
-  EXPECT_ERR(moekit::convert(src, Tensor()), "dst");
-  EXPECT_ERR(moekit::convert(Tensor::from_blob(src.data(), {M, 16}, DType::f32, Device::cuda(0)), dst), "src");
-  EXPECT_ERR(moekit::convert(src, Tensor::from_blob(dst.data(), {M, 16}, DType::e4m3, Device::cuda(0))), "dst");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::convert(Tensor(), dst), "src");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::convert(src, Tensor()), "dst");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::convert(Tensor::from_blob(src.data(), {M, 16}, DType::f32, Device::cuda(0)), dst), "src");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::convert(src, Tensor::from_blob(dst.data(), {M, 16}, DType::e4m3, Device::cuda(0))), "dst");
   // Non-unit last stride / non-contiguous views.
   const Tensor wide = filled({M, 32}, 1.0f);
-  EXPECT_ERR(moekit::convert(wide.slice(1, 0, 32, 2), dst), "src");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::convert(wide.slice(1, 0, 32, 2), dst), "src");
   const Tensor wide_dst = Tensor::zeros({M, 32}, DType::e4m3);
-  EXPECT_ERR(moekit::convert(src, wide_dst.slice(1, 0, 32, 2)), "dst");
-  EXPECT_ERR(moekit::convert(src.t(), Tensor::zeros({16, M}, DType::e4m3)), "src");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::convert(src, wide_dst.slice(1, 0, 32, 2)), "dst");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::convert(src.t(), Tensor::zeros({16, M}, DType::e4m3)), "src");
   // Rank.
-  EXPECT_ERR(moekit::convert(src, Tensor::zeros({M * 16}, DType::e4m3)), "dst");
-  EXPECT_ERR(moekit::convert(Tensor::zeros({}, DType::f32), Tensor::zeros({}, DType::e4m3)), "");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::convert(src, Tensor::zeros({M * 16}, DType::e4m3)), "dst");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::convert(Tensor::zeros({}, DType::f32), Tensor::zeros({}, DType::e4m3)), "");
   // Shape.
-  EXPECT_ERR(moekit::convert(src, Tensor::zeros({M, 15}, DType::e4m3)), "dst");
-  EXPECT_ERR(moekit::convert(src, Tensor::zeros({M + 1, 16}, DType::bf16)), "dst");
-  EXPECT_ERR(moekit::convert(src, Tensor::zeros({M, 16}, DType::e2m1x2)), "dst");  // needs [M, 8]
+  EXPECT_MOEKIT_ERROR_ARG(moekit::convert(src, Tensor::zeros({M, 15}, DType::e4m3)), "dst");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::convert(src, Tensor::zeros({M + 1, 16}, DType::bf16)), "dst");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::convert(src, Tensor::zeros({M, 16}, DType::e2m1x2)), "dst");  // needs [M, 8]
   EXPECT_NO_THROW(moekit::convert(src, Tensor::zeros({M, 8}, DType::e2m1x2)));
-  EXPECT_ERR(moekit::convert(Tensor::zeros({M, 9}, DType::e2m1x2), src), "");  // 16 values need 8 bytes
-  EXPECT_ERR(moekit::convert(Tensor::zeros({M, 16}, DType::e5m2), Tensor::zeros({M, 17}, DType::f32)), "");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::convert(Tensor::zeros({M, 9}, DType::e2m1x2), src), "");  // 16 values need 8 bytes
+  EXPECT_MOEKIT_ERROR_ARG(moekit::convert(Tensor::zeros({M, 16}, DType::e5m2), Tensor::zeros({M, 17}, DType::f32)), "");
   // Unsupported dtype pairs.
-  EXPECT_ERR(moekit::convert(Tensor::zeros({M, 16}, DType::i32), dst), "");
-  EXPECT_ERR(moekit::convert(dst, Tensor::zeros({M, 16}, DType::e5m2)), "");
-  EXPECT_ERR(moekit::convert(src, Tensor::zeros({M, 16}, DType::i64)), "");
-  EXPECT_ERR(moekit::convert(src, Tensor::zeros({M, 16}, DType::ue8m0)), "");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::convert(Tensor::zeros({M, 16}, DType::i32), dst), "");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::convert(dst, Tensor::zeros({M, 16}, DType::e5m2)), "");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::convert(src, Tensor::zeros({M, 16}, DType::i64)), "");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::convert(src, Tensor::zeros({M, 16}, DType::ue8m0)), "");
 }
 
 // ------------------------------------------------------------------ calc_diff
@@ -560,14 +547,14 @@ TEST(Errors, Convert) {
 TEST(Errors, CalcDiff) {
   const Tensor x = filled({M, 8}, 1.0f);
   EXPECT_NO_THROW(moekit::calc_diff(x, x));
-  EXPECT_ERR(moekit::calc_diff(Tensor(), x), "x");
-  EXPECT_ERR(moekit::calc_diff(x, Tensor()), "y");
-  EXPECT_ERR(moekit::calc_diff(Tensor::zeros({M, 8}, DType::i32), x), "x");
-  EXPECT_ERR(moekit::calc_diff(x, Tensor::zeros({M, 8}, DType::e4m3)), "y");
-  EXPECT_ERR(moekit::calc_diff(x, Tensor::zeros({M, 9}, DType::f32)), "y");
-  EXPECT_ERR(moekit::calc_diff(x, Tensor::zeros({M * 8}, DType::f32)), "y");  // same numel, other shape
-  EXPECT_ERR(moekit::calc_diff(Tensor::from_blob(x.data(), {M, 8}, DType::f32, Device::cuda(0)), x), "x");
-  EXPECT_ERR(moekit::calc_diff(x, Tensor::from_blob(x.data(), {M, 8}, DType::f32, Device::cuda(0))), "y");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::calc_diff(Tensor(), x), "x");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::calc_diff(x, Tensor()), "y");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::calc_diff(Tensor::zeros({M, 8}, DType::i32), x), "x");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::calc_diff(x, Tensor::zeros({M, 8}, DType::e4m3)), "y");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::calc_diff(x, Tensor::zeros({M, 9}, DType::f32)), "y");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::calc_diff(x, Tensor::zeros({M * 8}, DType::f32)), "y");  // same numel, other shape
+  EXPECT_MOEKIT_ERROR_ARG(moekit::calc_diff(Tensor::from_blob(x.data(), {M, 8}, DType::f32, Device::cuda(0)), x), "x");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::calc_diff(x, Tensor::from_blob(x.data(), {M, 8}, DType::f32, Device::cuda(0))), "y");
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 #include "moekit/error.h"
 #include "moekit/runtime.h"
 #include "moekit/tensor.h"
+#include "test_util.h"
 
 namespace {
 
@@ -20,18 +21,6 @@ using moekit::Isa;
 using moekit::Shape;
 using moekit::Tensor;
 
-// Runs `stmt`, expects a moekit::Error whose argument() is `arg`.
-#define EXPECT_MOEKIT_ERROR_ARG(stmt, arg)                                              \
-  do {                                                                                  \
-    try {                                                                               \
-      stmt;                                                                             \
-      ADD_FAILURE() << "no moekit::Error from: " #stmt;                                 \
-    } catch (const moekit::Error& e_) {                                                 \
-      EXPECT_EQ(e_.argument(), (arg)) << #stmt << " -> " << e_.what();                  \
-    } catch (const std::exception& e_) {                                                \
-      ADD_FAILURE() << "wrong exception type from: " #stmt << " -> " << e_.what();     \
-    }                                                                                   \
-  } while (0)
 
 bool aligned64(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 64 == 0; }
 

@@ -3,10 +3,29 @@
 
 #include <gtest/gtest.h>
 
+#include <exception>
 #include <string>
 #include <vector>
 
+#include "moekit/error.h"
+
 #include "moekit/runtime.h"
+
+// Runs `stmt`, expects a moekit::Error; when `arg` is non-empty its argument() must equal it.
+// Any other exception, or none, fails the test.
+#define EXPECT_MOEKIT_ERROR_ARG(stmt, arg)                                                    \
+  do {                                                                                        \
+    try {                                                                                     \
+      stmt;                                                                                   \
+      ADD_FAILURE() << "no moekit::Error from: " #stmt;                                       \
+    } catch (const moekit::Error& e_) {                                                       \
+      if (!std::string(arg).empty()) {                                                        \
+        EXPECT_EQ(e_.argument(), std::string(arg)) << #stmt << " -> " << e_.what();           \
+      }                                                                                       \
+    } catch (const std::exception& e_) {                                                      \
+      ADD_FAILURE() << "wrong exception type from: " #stmt << " -> " << e_.what();            \
+    }                                                                                         \
+  } while (0)
 
 namespace moekit::testing {
 

@@ -46,9 +46,18 @@ uint8_t f32_to_ue8m0(float power_of_two) {
 float ceil_to_ue8m0(float sf) {
   if (!(sf > 0.0f) || !std::isfinite(sf))
     throw Error("ceil_to_ue8m0", "sf", "a positive finite scale", std::to_string(sf));
-  int exponent = 0;
-  const float mantissa = std::frexp(sf, &exponent);
-  return mantissa == 0.5f ? sf : std::ldexp(1.0f, exponent);
+  return detail::ceil_pow2(sf);
+}
+
+float detail::ceil_pow2(float sf) noexcept {
+  const uint32_t bits = std::bit_cast<uint32_t>(sf);
+  if (bits - 0x00800000u < 0x7f000000u) {  // positive normal: clear the mantissa, bump the exponent if it was not 0
+    const uint32_t exponent = bits & 0x7f800000u;
+    return std::bit_cast<float>((bits & 0x007fffffu) ? exponent + 0x00800000u : exponent);
+  }
+  if (!(sf > 0.0f) || !std::isfinite(sf)) return sf;
+  int e = 0;  // positive subnormal
+  return std::frexp(sf, &e) == 0.5f ? sf : std::ldexp(1.0f, e);
 }
 
 }  // namespace moekit

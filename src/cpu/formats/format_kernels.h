@@ -41,6 +41,10 @@ inline const FormatKernels& format_kernels() { return format_kernels(active_isa(
 // 64 MiB). Returns the previous value; tests lower it to cover the streaming path.
 int64_t set_streaming_threshold(int64_t bytes);
 
+// 2^ceil(log2 sf) for positive finite sf by exponent arithmetic; zero, negative, inf and NaN
+// pass through unchanged (so it may run inside parallel regions, where nothing may throw).
+float ceil_pow2(float sf) noexcept;
+
 // Scalar element conversions (from the scalar instantiation; exact by construction).
 uint8_t encode_scalar(Narrow fmt, float x);
 float decode_scalar(Narrow fmt, uint8_t code);

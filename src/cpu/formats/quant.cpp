@@ -47,23 +47,10 @@ const char* row_ptr(const Tensor& t, int64_t r) {
 }
 char* row_ptr_mut(const Tensor& t, int64_t r) { return const_cast<char*>(row_ptr(t, r)); }
 
-// 2^ceil(log2(sf)); non-finite scales (from inf/NaN inputs) pass through unchanged: this
-// runs inside parallel regions, where it must not throw.
-float ceil_pow2(float sf) noexcept {
-  const uint32_t bits = std::bit_cast<uint32_t>(sf);
-  if (bits - 0x00800000u < 0x7f000000u) {  // positive normal: clear the mantissa, bump the exponent if it was not 0
-    const uint32_t exponent = bits & 0x7f800000u;
-    return std::bit_cast<float>((bits & 0x007fffffu) ? exponent + 0x00800000u : exponent);
-  }
-  if (!(sf > 0.0f) || !std::isfinite(sf)) return sf;  // zero, negative, inf, NaN: unchanged
-  int e = 0;  // positive subnormal
-  return std::frexp(sf, &e) == 0.5f ? sf : std::ldexp(1.0f, e);
-}
-
 // sf = max(amax, 1e-4) / max_code in f32; rounded up to a power of two for ue8m0.
 float scale_from_amax(float amax, float max_code, bool use_ue8m0) noexcept {
   const float sf = std::max(amax, kAmaxFloor) / max_code;
-  return use_ue8m0 ? ceil_pow2(sf) : sf;
+  return use_ue8m0 ? detail::ceil_pow2(sf) : sf;
 }
 
 void finish_scales(float* sf, int64_t n, float max_code, bool use_ue8m0) {
