@@ -3,5 +3,6 @@
 
 #include "moekit/error.h"
 #include "moekit/formats.h"
+#include "moekit/gemm.h"
 #include "moekit/runtime.h"
 #include "moekit/tensor.h"

@@ -1,4 +1,5 @@
 // Reference GEMM: D = C + A·Bᵀ in f64, all four layouts, optional per-K-group scales.
+#include <numeric>
 #include <stdexcept>
 #include <string>
 
@@ -10,16 +11,25 @@ double operand_scale(const Tensor& sf, int64_t r, int64_t g);  // formats_ref.cp
 
 namespace {
 
+void require(bool ok, const std::string& what) {
+  if (!ok) throw std::invalid_argument("ref::gemm: " + what);
+}
+void require_extent(const Operand& op) {
+  require((op.packed_extent + 1) / 2 == op.values.size(1), "packed_extent does not match the stored columns");
+}
+
 int64_t unpacked_cols(const Tensor& t) { return t.dtype() == DType::e2m1x2 ? 2 * t.size(1) : t.size(1); }
+int64_t logical_cols(const Operand& op) {
+  if (op.values.dtype() != DType::e2m1x2 || op.packed_extent < 0) return unpacked_cols(op.values);
+  require_extent(op);
+  return op.packed_extent;
+}
 
 // Logical element (mn, kk) of an operand stored either [MN, K] (k_inner) or [K, MN].
 double element(const Tensor& t, bool k_inner, int64_t mn, int64_t kk) {
   return k_inner ? value_at(t, mn, kk) : value_at(t, kk, mn);
 }
 
-void require(bool ok, const std::string& what) {
-  if (!ok) throw std::invalid_argument("ref::gemm: " + what);
-}
 
 bool a_k_inner(Layout l) { return l == Layout::nt || l == Layout::nn; }
 bool b_k_inner(Layout l) { return l == Layout::nt || l == Layout::tt; }
@@ -30,10 +40,10 @@ GemmProblem gemm_problem(Layout layout, const Operand& a, const Operand& b) {
   require(a.values.dim() == 2 && b.values.dim() == 2, "A and B must be 2-D");
   const bool ak = a_k_inner(layout), bk = b_k_inner(layout);
   GemmProblem p;
-  p.m = ak ? a.values.size(0) : unpacked_cols(a.values);
-  p.k = ak ? unpacked_cols(a.values) : a.values.size(0);
-  p.n = bk ? b.values.size(0) : unpacked_cols(b.values);
-  const int64_t kb = bk ? unpacked_cols(b.values) : b.values.size(0);
+  p.m = ak ? a.values.size(0) : logical_cols(a);
+  p.k = ak ? logical_cols(a) : a.values.size(0);
+  p.n = bk ? b.values.size(0) : logical_cols(b);
+  const int64_t kb = bk ? logical_cols(b) : b.values.size(0);
   require(p.k == kb, "K of A (" + std::to_string(p.k) + ") != K of B (" + std::to_string(kb) + ")");
   return p;
 }
@@ -42,14 +52,12 @@ std::vector<double> gemm(Layout layout, const Operand& a, const Operand& b, cons
   const GemmProblem p = gemm_problem(layout, a, b);
   const bool ak = a_k_inner(layout), bk = b_k_inner(layout);
   const bool scaled = a.sf.defined() || b.sf.defined();
-  // One K-group size for the promotion: both operands' gran_k must agree when both scale.
+  // Promotion groups: the common refinement of both operands' K groups (gcd of gran_k),
+  // within which both scales are constant.
+  require((!a.sf.defined() || a.gran_k > 0) && (!b.sf.defined() || b.gran_k > 0), "gran_k must be positive");
   int64_t group = p.k > 0 ? p.k : 1;
   if (a.sf.defined()) group = a.gran_k;
-  if (b.sf.defined()) {
-    require(!a.sf.defined() || a.gran_k == b.gran_k, "gran_k of A and B differ");
-    group = b.gran_k;
-  }
-  require(group > 0, "gran_k must be positive");
+  if (b.sf.defined()) group = a.sf.defined() ? std::gcd(a.gran_k, b.gran_k) : b.gran_k;
   std::vector<double> d(static_cast<size_t>(p.m * p.n), 0.0);
   for (int64_t i = 0; i < p.m; ++i)
     for (int64_t j = 0; j < p.n; ++j) {
@@ -59,9 +67,8 @@ std::vector<double> gemm(Layout layout, const Operand& a, const Operand& b, cons
         for (int64_t kk = k0; kk < std::min(p.k, k0 + group); ++kk)
           partial += element(a.values, ak, i, kk) * element(b.values, bk, j, kk);
         if (scaled) {
-          const int64_t g = k0 / group;
-          if (a.sf.defined()) partial *= operand_scale(a.sf, i / a.gran_mn, g);
-          if (b.sf.defined()) partial *= operand_scale(b.sf, j / b.gran_mn, g);
+          if (a.sf.defined()) partial *= operand_scale(a.sf, i / a.gran_mn, k0 / a.gran_k);
+          if (b.sf.defined()) partial *= operand_scale(b.sf, j / b.gran_mn, k0 / b.gran_k);
         }
         acc += partial;
       }

@@ -48,6 +48,9 @@ struct Operand {
   Tensor sf;  // undefined: no scaling
   int64_t gran_mn = 1;
   int64_t gran_k = 128;
+  // e2m1x2 only: the logical extent of the packed (stored last) dimension when it is odd;
+  // -1 means 2 x stored columns.
+  int64_t packed_extent = -1;
 };
 
 struct GemmProblem {

@@ -1,0 +1,81 @@
+// Dense GEMMs with DeepGEMM's names and semantics (shared/spec/gemm.md):
+//
+//   D = C + A · Bᵀ   (f32 accumulation; D row-major [M, N], bf16 or f32)
+//
+// The layout letters say how each operand is stored (first letter A: n = [M, K],
+// t = [K, M]; second letter B: t = [N, K], n = [K, N]), so "nt" has both K-contiguous:
+//   nt: A [M, K], B [N, K]     nn: A [M, K], B [K, N]
+//   tn: A [K, M], B [K, N]     tt: A [K, M], B [N, K]
+// (tn is the weight-gradient form of the k-grouped GEMMs: both operands [K, MN].)
+// Every operand may be a strided view whose last dimension is unit-stride.
+// C is optional (an undefined Tensor means none), same shape and dtype as D; C may be D
+// itself (accumulate in place).
+//
+// Scaled (FP8/FP4) operands are (values, sf) pairs (moekit::Quantized). Element (mn, k)
+// is worth values[mn, k] * sf[mn / gran_mn, k / gran_k]; sf is always given in the
+// canonical [ceil(MN / gran_mn), ceil(K / gran_k)] orientation, f32 or packed ue8m0
+// (i32 [ceil(MN / gran_mn), ceil(ceil(K / gran_k) / 4)], formats.md), any strides.
+// FP4 (e2m1x2) values are packed two per byte along the operand's stored last dimension.
+//
+// Results are bit-identical for any thread count and any ISA path (docs/GEMM.md).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+
+#include "moekit/formats.h"
+#include "moekit/tensor.h"
+
+namespace moekit {
+
+// (gran_m, gran_n, gran_k) for both operands, or (gran_mn, gran_k) for one.
+struct Recipe {
+  int64_t gran_m = 1, gran_n = 128, gran_k = 128;
+};
+struct OperandRecipe {
+  int64_t gran_mn = 1, gran_k = 128;
+};
+
+// ---- BF16 ----
+void bf16_gemm_nt(const Tensor& a, const Tensor& b, const Tensor& d, const Tensor& c = Tensor());
+void bf16_gemm_nn(const Tensor& a, const Tensor& b, const Tensor& d, const Tensor& c = Tensor());
+void bf16_gemm_tn(const Tensor& a, const Tensor& b, const Tensor& d, const Tensor& c = Tensor());
+void bf16_gemm_tt(const Tensor& a, const Tensor& b, const Tensor& d, const Tensor& c = Tensor());
+
+// ---- FP8 / FP4 (block-scaled) ----
+// Operands e4m3 or e2m1x2. Recipe defaults: (1, 128, 128) when both are e4m3, (1, 1, 32)
+// when either is FP4. `recipe` sets both operands; recipe_a / recipe_b (if given) override
+// it per operand, e.g. an FP8 A with gran_k 128 against an FP4 B with gran_k 32.
+struct GemmOptions {
+  std::optional<Recipe> recipe;
+  std::optional<OperandRecipe> recipe_a, recipe_b;
+};
+void fp8_fp4_gemm_nt(const Quantized& a, const Quantized& b, const Tensor& d, const Tensor& c = Tensor(),
+                     const GemmOptions& options = {});
+void fp8_fp4_gemm_nn(const Quantized& a, const Quantized& b, const Tensor& d, const Tensor& c = Tensor(),
+                     const GemmOptions& options = {});
+void fp8_fp4_gemm_tn(const Quantized& a, const Quantized& b, const Tensor& d, const Tensor& c = Tensor(),
+                     const GemmOptions& options = {});
+void fp8_fp4_gemm_tt(const Quantized& a, const Quantized& b, const Tensor& d, const Tensor& c = Tensor(),
+                     const GemmOptions& options = {});
+// DeepGEMM's aliases.
+inline void fp8_gemm_nt(const Quantized& a, const Quantized& b, const Tensor& d, const Tensor& c = Tensor(),
+                        const GemmOptions& options = {}) { fp8_fp4_gemm_nt(a, b, d, c, options); }
+inline void fp8_gemm_nn(const Quantized& a, const Quantized& b, const Tensor& d, const Tensor& c = Tensor(),
+                        const GemmOptions& options = {}) { fp8_fp4_gemm_nn(a, b, d, c, options); }
+inline void fp8_gemm_tn(const Quantized& a, const Quantized& b, const Tensor& d, const Tensor& c = Tensor(),
+                        const GemmOptions& options = {}) { fp8_fp4_gemm_tn(a, b, d, c, options); }
+inline void fp8_gemm_tt(const Quantized& a, const Quantized& b, const Tensor& d, const Tensor& c = Tensor(),
+                        const GemmOptions& options = {}) { fp8_fp4_gemm_tt(a, b, d, c, options); }
+
+// ---- compatibility helpers ----
+// align(mn, 16 / element_size): upstream's TMA alignment of MN-major scale tensors.
+int64_t get_tma_aligned_size(int64_t mn, int64_t element_size);
+// Validates sf against (mn, k, recipe side) and returns it in the layout the CPU backend
+// reads fastest: a contiguous row-major copy, same dtype, [ceil(mn/gran_mn), groups] (f32)
+// or [.., ceil(groups/4)] (packed ue8m0); with num_groups, [num_groups, ...]. is_sfa picks
+// (gran_m, gran_k) from the recipe, otherwise (gran_n, gran_k).
+Tensor transform_sf_into_required_layout(const Tensor& sf, int64_t mn, int64_t k, const Recipe& recipe,
+                                         std::optional<int64_t> num_groups, bool is_sfa);
+
+}  // namespace moekit

@@ -1,0 +1,331 @@
+// Dense GEMM front end: argument validation, operand description, and the blocked,
+// multi-threaded driver around the per-ISA pack + microkernel (gemm_kernels.h).
+//
+// Blocking (BLIS order): for each column block jc (kNc wide) and K block pc (kGemmKc deep)
+// the B block is packed once (decoded + scaled to f32); for each row block ic (kMc tall)
+// the A block is packed; then micro-panels of B (L1) sweep micro-panels of A (L2).
+// Partial sums live in a per-thread f32 buffer of (rows of the item) x kNc, written to D
+// (adding C, rounding to bf16 if asked) when a column block is complete.
+//
+// Threads own disjoint rectangles of D ("items"), and every element is the same chain of
+// FMAs over fixed K blocks whatever the item, so results do not depend on the split.
+#include "moekit/gemm.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <memory>
+#include <string>
+
+#include "core/check.h"
+#include "cpu/gemm/gemm_kernels.h"
+#include "moekit/error.h"
+#include "moekit/runtime.h"
+
+namespace moekit {
+namespace {
+
+using detail::ceil_div;
+using detail::fail;
+using detail::GemmOperand;
+using detail::kGemmKc;
+
+enum class Side : uint8_t { n, t };  // the layout letter of one operand
+
+constexpr int64_t kMc = 96;    // rows of A packed at a time (a multiple of every mr)
+constexpr int64_t kNcLarge = 1024;  // columns of B packed at a time
+constexpr int64_t kNcSmallM = 256;  // ... when M is a few rows (keeps the B block in L2)
+
+struct Output {
+  uint8_t* d = nullptr;
+  DType dtype = DType::f32;
+  int64_t ldd = 0;
+  const uint8_t* c = nullptr;  // null: no C
+  DType c_dtype = DType::f32;
+  int64_t ldc = 0;
+};
+
+// ---------------------------------------------------------------- per-thread buffers
+
+struct AlignedFree {
+  void operator()(float* p) const { std::free(p); }
+};
+
+class Scratch {
+ public:
+  float* get(size_t n) {
+    if (n > size_) {
+      const size_t bytes = ((n * sizeof(float) + 63) / 64) * 64;
+      buf_.reset(static_cast<float*>(std::aligned_alloc(64, bytes)));
+      if (!buf_) throw std::bad_alloc();
+      size_ = n;
+    }
+    return buf_.get();
+  }
+
+ private:
+  std::unique_ptr<float, AlignedFree> buf_;
+  size_t size_ = 0;
+};
+
+struct ThreadBuffers {
+  Scratch a, b, acc;
+};
+ThreadBuffers& thread_buffers() {
+  static thread_local ThreadBuffers buffers;
+  return buffers;
+}
+
+// ---------------------------------------------------------------- the driver
+
+float load_as_f32(const uint8_t* row, DType dtype, int64_t j) {
+  if (dtype == DType::f32) return reinterpret_cast<const float*>(row)[j];
+  return bf16_to_f32(reinterpret_cast<const uint16_t*>(row)[j]);
+}
+
+void write_block(const Output& out, const float* acc, int64_t ld_acc, int64_t m0, int64_t m1, int64_t n0,
+                 int64_t nc) {
+  const size_t es = element_size(out.dtype), ces = element_size(out.c_dtype);
+  for (int64_t i = m0; i < m1; ++i) {
+    const float* src = acc + (i - m0) * ld_acc;
+    uint8_t* drow = out.d + (i * out.ldd + n0) * static_cast<int64_t>(es);
+    const uint8_t* crow = out.c ? out.c + (i * out.ldc + n0) * static_cast<int64_t>(ces) : nullptr;
+    for (int64_t j = 0; j < nc; ++j) {
+      const float v = crow ? src[j] + load_as_f32(crow, out.c_dtype, j) : src[j];
+      if (out.dtype == DType::f32)
+        reinterpret_cast<float*>(drow)[j] = v;
+      else
+        reinterpret_cast<uint16_t*>(drow)[j] = f32_to_bf16(v);
+    }
+  }
+}
+
+// One thread's rectangle [m0, m1) x [n0, n1) of D.
+void run_item(const detail::GemmKernels& kern, const GemmOperand& a, const GemmOperand& b, const Output& out,
+              int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t nc_max) {
+  const int64_t k = a.k;
+  const int64_t rows = m1 - m0;
+  if (rows <= 0 || n1 <= n0) return;
+  ThreadBuffers& buf = thread_buffers();
+  const int64_t mc_max = std::min<int64_t>(kMc, ceil_div(rows, kern.mr) * kern.mr);
+  float* pa = buf.a.get(static_cast<size_t>(mc_max * kGemmKc));
+  float* pb = buf.b.get(static_cast<size_t>(nc_max * kGemmKc));
+  float* acc = buf.acc.get(static_cast<size_t>(rows * nc_max));
+  for (int64_t jc = n0; jc < n1; jc += nc_max) {
+    const int64_t nc = std::min(nc_max, n1 - jc);
+    if (k == 0) std::fill(acc, acc + rows * nc_max, 0.0f);
+    for (int64_t pc = 0; pc < k; pc += kGemmKc) {
+      const int64_t kc = std::min(kGemmKc, k - pc);
+      kern.pack(b, jc, nc, pc, kc, kern.nr, pb);
+      for (int64_t ic = m0; ic < m1; ic += kMc) {
+        const int64_t mc = std::min(kMc, m1 - ic);
+        kern.pack(a, ic, mc, pc, kc, kern.mr, pa);
+        for (int64_t jr = 0; jr < nc; jr += kern.nr) {
+          const int cols = static_cast<int>(std::min<int64_t>(kern.nr, nc - jr));
+          const float* bp = pb + (jr / kern.nr) * kc * kern.nr;
+          for (int64_t ir = 0; ir < mc; ir += kern.mr) {
+            const int r = static_cast<int>(std::min<int64_t>(kern.mr, mc - ir));
+            kern.tile(kc, pa + (ir / kern.mr) * kc * kern.mr, bp, acc + (ic - m0 + ir) * nc_max + jr, nc_max, r,
+                      cols, pc > 0);
+          }
+        }
+      }
+    }
+    write_block(out, acc, nc_max, m0, m1, jc, nc);
+  }
+}
+
+void run_gemm(const GemmOperand& a, const GemmOperand& b, const Output& out) {
+  const int64_t m = a.mn, n = b.mn, k = a.k;
+  if (m == 0 || n == 0) return;
+  const detail::GemmKernels& kern = detail::gemm_kernels(active_isa());
+  const int64_t nc_max = m <= 4 * kern.mr ? kNcSmallM : kNcLarge;
+  // Threads: enough work per thread to pay for the fork.
+  const double flops = 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(std::max<int64_t>(k, 1));
+  const int threads = flops < 4e6 ? 1 : std::max(1, num_threads());
+  // Split rows or columns, whichever repacks less: splitting rows packs all of B once per
+  // thread; splitting columns repacks A once per column block of each thread.
+  const int64_t tiles_m = ceil_div(m, kern.mr), tiles_n = ceil_div(n, kern.nr);
+  const double pack_split_m = static_cast<double>(n) * threads + static_cast<double>(m) * ceil_div(n, nc_max);
+  const double pack_split_n =
+      static_cast<double>(n) + static_cast<double>(m) * threads * ceil_div(ceil_div(n, threads), nc_max);
+  const bool split_m = tiles_n < threads || (tiles_m >= threads && pack_split_m <= pack_split_n);
+  const int64_t chunk_m = split_m ? ceil_div(tiles_m, threads) * kern.mr : m;
+  const int64_t chunk_n = split_m ? n : ceil_div(tiles_n, threads) * kern.nr;
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t t = omp_get_thread_num();
+    const int64_t m0 = split_m ? std::min(m, t * chunk_m) : 0;
+    const int64_t n0 = split_m ? 0 : std::min(n, t * chunk_n);
+    run_item(kern, a, b, out, m0, std::min(m, m0 + chunk_m), n0, std::min(n, n0 + chunk_n), nc_max);
+  }
+}
+
+// ---------------------------------------------------------------- validation
+
+std::string dims(int64_t a, int64_t b) { return shape_str({a, b}); }
+
+// Logical (mn, k) of a stored operand, and its description without scales.
+GemmOperand describe(const char* fn, const char* arg, const Tensor& t, bool k_major,
+                     std::initializer_list<DType> allowed) {
+  detail::check_cpu_matrix(fn, arg, t, allowed);
+  GemmOperand op;
+  op.data = static_cast<const uint8_t*>(t.data());
+  op.dtype = t.dtype();
+  op.k_major = k_major;
+  op.ld = t.stride(0);
+  const int64_t rows = t.size(0);
+  const int64_t cols = t.dtype() == DType::e2m1x2 ? 2 * t.size(1) : t.size(1);  // FP4: even extent
+  op.mn = k_major ? rows : cols;
+  op.k = k_major ? cols : rows;
+  return op;
+}
+
+void attach_scales(const char* fn, const char* arg, GemmOperand& op, const Tensor& sf, const OperandRecipe& r) {
+  if (r.gran_mn <= 0 || r.gran_k <= 0)
+    fail(fn, std::string("recipe for ") + arg, "positive granularities",
+         "(" + std::to_string(r.gran_mn) + ", " + std::to_string(r.gran_k) + ")");
+  detail::check_cpu(fn, arg, sf);
+  detail::check_dtype(fn, arg, sf, {DType::f32, DType::i32});
+  detail::check_rank(fn, arg, sf, 2);
+  const int64_t groups = ceil_div(op.k, r.gran_k);
+  const int64_t rows = ceil_div(op.mn, r.gran_mn);
+  const int64_t cols = sf.dtype() == DType::f32 ? groups : ceil_div(groups, 4);
+  if (sf.size(0) != rows || sf.size(1) != cols)
+    fail(fn, arg,
+         dims(rows, cols) + " (" + (sf.dtype() == DType::f32 ? "f32" : "packed ue8m0") + " scales for gran_mn " +
+             std::to_string(r.gran_mn) + ", gran_k " + std::to_string(r.gran_k) + ")",
+         shape_str(sf.shape()));
+  op.sf = sf.data();
+  op.sf_dtype = sf.dtype();
+  op.sf_stride_mn = sf.stride(0);
+  op.sf_stride_k = sf.stride(1);
+  op.gran_mn = r.gran_mn;
+  op.gran_k = r.gran_k;
+}
+
+Output describe_output(const char* fn, const Tensor& d, const Tensor& c, int64_t m, int64_t n) {
+  detail::check_cpu_matrix(fn, "d", d, {DType::bf16, DType::f32});
+  detail::check_shape(fn, "d", d, {m, n});
+  Output out;
+  out.d = static_cast<uint8_t*>(d.data());
+  out.dtype = d.dtype();
+  out.ldd = d.stride(0);
+  if (c.defined()) {
+    detail::check_cpu_matrix(fn, "c", c, {d.dtype()});
+    detail::check_shape(fn, "c", c, {m, n});
+    out.c = static_cast<const uint8_t*>(c.data());
+    out.c_dtype = c.dtype();
+    out.ldc = c.stride(0);
+  }
+  return out;
+}
+
+void check_k(const char* fn, const GemmOperand& a, const GemmOperand& b) {
+  if (a.k != b.k) fail(fn, "b", "K = " + std::to_string(a.k) + " (from a)", "K = " + std::to_string(b.k));
+}
+
+void bf16_gemm(const char* fn, Side sa, Side sb, const Tensor& a, const Tensor& b, const Tensor& d,
+               const Tensor& c) {
+  const GemmOperand ga = describe(fn, "a", a, sa == Side::n, {DType::bf16});
+  const GemmOperand gb = describe(fn, "b", b, sb == Side::t, {DType::bf16});
+  check_k(fn, ga, gb);
+  run_gemm(ga, gb, describe_output(fn, d, c, ga.mn, gb.mn));
+}
+
+OperandRecipe resolve(const GemmOptions& o, bool is_a, bool any_fp4) {
+  if (is_a && o.recipe_a) return *o.recipe_a;
+  if (!is_a && o.recipe_b) return *o.recipe_b;
+  const Recipe r = o.recipe ? *o.recipe : (any_fp4 ? Recipe{1, 1, 32} : Recipe{1, 128, 128});
+  return {is_a ? r.gran_m : r.gran_n, r.gran_k};
+}
+
+// FP4 values are packed along the stored last dimension, whose logical extent e is only
+// known up to ceil(e / 2) = stored columns. It is taken from where it is unambiguous: K from
+// the other operand when that one is not packed along K (else 2 x columns), MN from D.
+void resolve_packed_extent(const char* fn, const char* arg, int64_t& extent, int64_t known, int64_t stored_cols) {
+  if (ceil_div(known, 2) != stored_cols)
+    fail(fn, arg, std::to_string(ceil_div(known, 2)) + " packed FP4 columns (extent " + std::to_string(known) + ")",
+         std::to_string(stored_cols));
+  extent = known;
+}
+
+void scaled_gemm(const char* fn, Side sa, Side sb, const Quantized& a, const Quantized& b, const Tensor& d,
+                 const Tensor& c, const GemmOptions& options) {
+  GemmOperand ga = describe(fn, "a.values", a.values, sa == Side::n, {DType::e4m3, DType::e2m1x2});
+  GemmOperand gb = describe(fn, "b.values", b.values, sb == Side::t, {DType::e4m3, DType::e2m1x2});
+  const bool a_fp4 = ga.dtype == DType::e2m1x2, b_fp4 = gb.dtype == DType::e2m1x2;
+  if (a_fp4 && ga.k_major && !(b_fp4 && gb.k_major)) resolve_packed_extent(fn, "a.values", ga.k, gb.k, ga.k / 2);
+  if (b_fp4 && gb.k_major && !(a_fp4 && ga.k_major)) resolve_packed_extent(fn, "b.values", gb.k, ga.k, gb.k / 2);
+  detail::check_cpu_matrix(fn, "d", d, {DType::bf16, DType::f32});
+  if (a_fp4 && !ga.k_major) resolve_packed_extent(fn, "a.values", ga.mn, d.size(0), ga.mn / 2);
+  if (b_fp4 && !gb.k_major) resolve_packed_extent(fn, "b.values", gb.mn, d.size(1), gb.mn / 2);
+  check_k(fn, ga, gb);
+  const bool any_fp4 = a_fp4 || b_fp4;
+  attach_scales(fn, "a.sf", ga, a.sf, resolve(options, true, any_fp4));
+  attach_scales(fn, "b.sf", gb, b.sf, resolve(options, false, any_fp4));
+  run_gemm(ga, gb, describe_output(fn, d, c, ga.mn, gb.mn));
+}
+
+}  // namespace
+
+void bf16_gemm_nt(const Tensor& a, const Tensor& b, const Tensor& d, const Tensor& c) {
+  bf16_gemm("bf16_gemm_nt", Side::n, Side::t, a, b, d, c);
+}
+void bf16_gemm_nn(const Tensor& a, const Tensor& b, const Tensor& d, const Tensor& c) {
+  bf16_gemm("bf16_gemm_nn", Side::n, Side::n, a, b, d, c);
+}
+void bf16_gemm_tn(const Tensor& a, const Tensor& b, const Tensor& d, const Tensor& c) {
+  bf16_gemm("bf16_gemm_tn", Side::t, Side::n, a, b, d, c);
+}
+void bf16_gemm_tt(const Tensor& a, const Tensor& b, const Tensor& d, const Tensor& c) {
+  bf16_gemm("bf16_gemm_tt", Side::t, Side::t, a, b, d, c);
+}
+
+void fp8_fp4_gemm_nt(const Quantized& a, const Quantized& b, const Tensor& d, const Tensor& c,
+                     const GemmOptions& options) {
+  scaled_gemm("fp8_fp4_gemm_nt", Side::n, Side::t, a, b, d, c, options);
+}
+void fp8_fp4_gemm_nn(const Quantized& a, const Quantized& b, const Tensor& d, const Tensor& c,
+                     const GemmOptions& options) {
+  scaled_gemm("fp8_fp4_gemm_nn", Side::n, Side::n, a, b, d, c, options);
+}
+void fp8_fp4_gemm_tn(const Quantized& a, const Quantized& b, const Tensor& d, const Tensor& c,
+                     const GemmOptions& options) {
+  scaled_gemm("fp8_fp4_gemm_tn", Side::t, Side::n, a, b, d, c, options);
+}
+void fp8_fp4_gemm_tt(const Quantized& a, const Quantized& b, const Tensor& d, const Tensor& c,
+                     const GemmOptions& options) {
+  scaled_gemm("fp8_fp4_gemm_tt", Side::t, Side::t, a, b, d, c, options);
+}
+
+int64_t get_tma_aligned_size(int64_t mn, int64_t element_size) {
+  if (element_size <= 0 || 16 % element_size != 0)
+    fail("get_tma_aligned_size", "element_size", "1, 2, 4, 8 or 16", std::to_string(element_size));
+  if (mn < 0) fail("get_tma_aligned_size", "mn", "mn >= 0", std::to_string(mn));
+  const int64_t align = 16 / element_size;
+  return ceil_div(mn, align) * align;
+}
+
+Tensor transform_sf_into_required_layout(const Tensor& sf, int64_t mn, int64_t k, const Recipe& recipe,
+                                         std::optional<int64_t> num_groups, bool is_sfa) {
+  constexpr const char* fn = "transform_sf_into_required_layout";
+  detail::check_cpu(fn, "sf", sf);
+  detail::check_dtype(fn, "sf", sf, {DType::f32, DType::i32});
+  if (mn < 0 || k < 0) fail(fn, "mn, k", "non-negative", std::to_string(mn) + ", " + std::to_string(k));
+  const int64_t gran_mn = is_sfa ? recipe.gran_m : recipe.gran_n;
+  if (gran_mn <= 0 || recipe.gran_k <= 0) fail(fn, "recipe", "positive granularities", "a non-positive one");
+  const int64_t groups = ceil_div(k, recipe.gran_k);
+  Shape expected{ceil_div(mn, gran_mn), sf.dtype() == DType::f32 ? groups : ceil_div(groups, 4)};
+  if (num_groups) {
+    if (*num_groups <= 0) fail(fn, "num_groups", "positive", std::to_string(*num_groups));
+    expected.insert(expected.begin(), *num_groups);
+  }
+  detail::check_shape(fn, "sf", sf, expected);
+  Tensor out = Tensor::empty(expected, sf.dtype());
+  out.copy_from(sf);
+  return out;
+}
+
+}  // namespace moekit

@@ -1,0 +1,54 @@
+// Per-ISA pieces of the dense GEMM: operand packing (decode + scale while packing) and the
+// register-blocked microkernel. gemm_simd.inc holds one generic implementation; the
+// gemm_{scalar,avx2,avx512}.cpp files instantiate it with their vector types and
+// dispatch.cpp picks the table at run time.
+#pragma once
+
+#include <cstdint>
+
+#include "moekit/runtime.h"
+#include "moekit/tensor.h"
+
+namespace moekit::detail {
+
+// One GEMM operand seen as a logical [MN, K] matrix, whatever its storage.
+struct GemmOperand {
+  const uint8_t* data = nullptr;
+  DType dtype = DType::bf16;  // f32, bf16, e4m3 or e2m1x2
+  int64_t mn = 0, k = 0;
+  // k_major: element (i, kk) is stored at row i, column kk (K contiguous); otherwise at
+  // row kk, column i. ld = row stride in stored elements (for e2m1x2: in bytes; the two
+  // nibbles of a byte are neighbours along the stored last dimension).
+  bool k_major = true;
+  int64_t ld = 0;
+  // Scales: none (sf == nullptr), f32, or packed ue8m0 (i32 words of four exponents).
+  const void* sf = nullptr;
+  DType sf_dtype = DType::f32;
+  int64_t sf_stride_mn = 0, sf_stride_k = 0;  // in f32 / i32 elements
+  int64_t gran_mn = 1, gran_k = 128;
+};
+
+// The K block every ISA uses. Fixed (not tuned per ISA) because the f32 sums are rounded
+// once per block: the same block on every path is what makes them bit-identical.
+inline constexpr int64_t kGemmKc = 256;
+
+struct GemmKernels {
+  int mr = 0, nr = 0;  // register tile
+  // Packs operand rows [mn0, mn0 + count) x columns [k0, k0 + kc) as f32 micro-panels of
+  // `width` rows: panel p holds, for each kk, `width` consecutive values (zero-padded past
+  // count). Values are decoded and multiplied by their scale.
+  void (*pack)(const GemmOperand& op, int64_t mn0, int64_t count, int64_t k0, int64_t kc, int width,
+               float* out);
+  // c[i, j] (+)= Σ_kk a[kk, i] · b[kk, j] for i < rows (≤ mr), j < cols (≤ nr), on
+  // micro-panels a (stride mr) and b (stride nr); c has row stride ldc. accumulate = false
+  // overwrites c. FMAs in kk order from the loaded (or zero) value of c.
+  void (*tile)(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, int rows, int cols,
+               bool accumulate);
+};
+
+const GemmKernels& gemm_kernels_scalar();
+const GemmKernels& gemm_kernels_avx2();
+const GemmKernels& gemm_kernels_avx512();  // only called when the CPU has AVX-512
+const GemmKernels& gemm_kernels(Isa isa);
+
+}  // namespace moekit::detail

@@ -1,0 +1,414 @@
+// Dense GEMMs (gemm.md): every layout x operand format x recipe x output dtype x C mode
+// against the f64 oracle on the same (quantised) inputs, the unquantised-product tolerances
+// of formats.md, awkward shapes and strided views, bit-identical results across thread
+// counts and ISA paths, and argument validation.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "moekit/error.h"
+#include "moekit/formats.h"
+#include "moekit/gemm.h"
+#include "moekit/runtime.h"
+#include "moekit/tensor.h"
+#include "reference.h"
+#include "test_util.h"
+
+namespace moekit {
+namespace {
+
+using moekit::testing::for_each_isa;
+using ref::Layout;
+
+struct ThreadGuard {
+  int previous = num_threads();
+  ~ThreadGuard() { set_num_threads(previous); }
+};
+
+// Random bf16 [rows, cols] with a spread of magnitudes (and exact zeros).
+Tensor random_bf16(int64_t rows, int64_t cols, uint64_t seed, int spread_exp = 3) {
+  Tensor t = Tensor::empty({rows, cols}, DType::bf16);
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_int_distribution<int> spread(-spread_exp, spread_exp);
+  auto* p = t.data_ptr<uint16_t>();
+  for (int64_t i = 0; i < rows * cols; ++i) {
+    const float v = (i % 97 == 5) ? 0.0f : std::ldexp(normal(rng), spread(rng));
+    p[i] = f32_to_bf16(v);
+  }
+  return t;
+}
+
+bool a_k_major(Layout l) { return l == Layout::nt || l == Layout::nn; }
+bool b_k_major(Layout l) { return l == Layout::nt || l == Layout::tt; }
+const char* layout_name(Layout l) {
+  switch (l) {
+    case Layout::nt: return "nt";
+    case Layout::nn: return "nn";
+    case Layout::tn: return "tn";
+    case Layout::tt: return "tt";
+  }
+  return "?";
+}
+
+// The stored form of a logical [MN, K] operand: itself (K-major) or a transposed copy
+// [K, MN]. FP4 values are re-packed two per byte along the stored last dimension.
+Tensor stored(const Tensor& logical, bool k_major, int64_t k) {
+  if (k_major) return logical;
+  const int64_t mn = logical.size(0);
+  if (logical.dtype() != DType::e2m1x2) return logical.t().contiguous();
+  Tensor out = Tensor::zeros({k, (mn + 1) / 2}, DType::e2m1x2);
+  const auto* src = logical.data_ptr<uint8_t>();
+  auto* dst = out.data_ptr<uint8_t>();
+  for (int64_t i = 0; i < mn; ++i)
+    for (int64_t kk = 0; kk < k; ++kk) {
+      const uint8_t nib = (src[i * logical.stride(0) + kk / 2] >> ((kk & 1) * 4)) & 0xf;
+      dst[kk * out.stride(0) + i / 2] |= static_cast<uint8_t>(nib << ((i & 1) * 4));
+    }
+  return out;
+}
+
+enum class Fmt { bf16, fp8_token, fp8_block, fp8_channel, fp4 };
+const char* fmt_name(Fmt f) {
+  switch (f) {
+    case Fmt::bf16: return "bf16";
+    case Fmt::fp8_token: return "fp8(1x128)";
+    case Fmt::fp8_block: return "fp8(128x128)";
+    case Fmt::fp8_channel: return "fp8(1x128,chan)";
+    case Fmt::fp4: return "fp4(1x32)";
+  }
+  return "?";
+}
+
+struct Built {
+  Quantized q;        // stored values + canonical sf
+  ref::Operand ref;   // the same for the oracle
+  OperandRecipe recipe;
+};
+
+// Quantises a logical [MN, K] bf16 operand with the chosen format and stores it.
+Built build(const Tensor& x, Fmt fmt, bool k_major, bool ue8m0) {
+  const int64_t k = x.size(1);
+  Built b;
+  Quantized q;
+  switch (fmt) {
+    case Fmt::fp8_token:
+    case Fmt::fp8_channel: q = per_token_cast_to_fp8(x, ue8m0, 128); b.recipe = {1, 128}; break;
+    case Fmt::fp8_block: q = per_block_cast_to_fp8(x, ue8m0); b.recipe = {128, 128}; break;
+    case Fmt::fp4: q = per_token_cast_to_fp4(x, ue8m0, 32); b.recipe = {1, 32}; break;
+    case Fmt::bf16: break;
+  }
+  if (fmt == Fmt::bf16) {
+    b.q.values = stored(x, k_major, k);
+    b.ref = {b.q.values, Tensor(), 1, 128};
+    return b;
+  }
+  b.q.values = stored(q.values, k_major, k);
+  b.q.sf = ue8m0 ? pack_ue8m0_to_int(q.sf) : q.sf;
+  b.ref = {b.q.values, b.q.sf, b.recipe.gran_mn, b.recipe.gran_k};
+  if (fmt == Fmt::fp4) b.ref.packed_extent = k_major ? k : x.size(0);
+  return b;
+}
+
+// The same operand with every value replaced by its magnitude (sign bits cleared).
+ref::Operand abs_operand(const ref::Operand& op) {
+  ref::Operand out = op;
+  out.values = op.values.contiguous();
+  if (out.values.data() == op.values.data()) {
+    out.values = Tensor::empty(op.values.shape(), op.values.dtype());
+    out.values.copy_from(op.values);
+  }
+  auto* p = static_cast<uint8_t*>(out.values.data());
+  const int64_t n = out.values.numel();
+  switch (op.values.dtype()) {
+    case DType::bf16: for (int64_t i = 0; i < n; ++i) p[2 * i + 1] &= 0x7f; break;
+    case DType::e4m3: for (int64_t i = 0; i < n; ++i) p[i] &= 0x7f; break;
+    case DType::e2m1x2: for (int64_t i = 0; i < n; ++i) p[i] &= 0x77; break;
+    default: break;
+  }
+  return out;
+}
+
+enum class CMode { none, separate, in_place };
+
+struct Case {
+  Layout layout = Layout::nt;
+  Fmt fa = Fmt::bf16, fb = Fmt::bf16;
+  int64_t m = 1, n = 1, k = 1;
+  DType out = DType::f32;
+  CMode c = CMode::none;
+  bool ue8m0 = false;
+  std::string str() const {
+    return std::string(layout_name(layout)) + " " + fmt_name(fa) + " x " + fmt_name(fb) + " m" + std::to_string(m) +
+           " n" + std::to_string(n) + " k" + std::to_string(k) + " " + dtype_name(out) +
+           (c == CMode::none ? "" : c == CMode::separate ? " +C" : " +C(in place)") + (ue8m0 ? " ue8m0" : "");
+  }
+};
+
+void call(const Case& cs, const Built& a, const Built& b, const Tensor& d, const Tensor& c) {
+  if (cs.fa == Fmt::bf16) {
+    switch (cs.layout) {
+      case Layout::nt: bf16_gemm_nt(a.q.values, b.q.values, d, c); return;
+      case Layout::nn: bf16_gemm_nn(a.q.values, b.q.values, d, c); return;
+      case Layout::tn: bf16_gemm_tn(a.q.values, b.q.values, d, c); return;
+      case Layout::tt: bf16_gemm_tt(a.q.values, b.q.values, d, c); return;
+    }
+  }
+  GemmOptions o;
+  o.recipe_a = a.recipe;
+  o.recipe_b = b.recipe;
+  switch (cs.layout) {
+    case Layout::nt: fp8_gemm_nt(a.q, b.q, d, c, o); return;
+    case Layout::nn: fp8_gemm_nn(a.q, b.q, d, c, o); return;
+    case Layout::tn: fp8_gemm_tn(a.q, b.q, d, c, o); return;
+    case Layout::tt: fp8_gemm_tt(a.q, b.q, d, c, o); return;
+  }
+}
+
+// Runs one case under the active ISA; checks it against the oracle on the same stored
+// inputs and returns D (f32 copy) for cross-path comparisons.
+std::vector<double> check_case(const Case& cs, uint64_t seed) {
+  SCOPED_TRACE(cs.str());
+  const Tensor xa = random_bf16(cs.m, cs.k, seed), xb = random_bf16(cs.n, cs.k, seed + 1);
+  const Built a = build(xa, cs.fa, a_k_major(cs.layout), cs.ue8m0);
+  const Built b = build(xb, cs.fb, b_k_major(cs.layout), cs.ue8m0);
+  Tensor c0, d = Tensor::empty({cs.m, cs.n}, cs.out);
+  if (cs.c != CMode::none) {
+    const Tensor cb = random_bf16(cs.m, cs.n, seed + 2);
+    c0 = Tensor::empty({cs.m, cs.n}, cs.out);
+    convert(cb, c0);
+    if (cs.c == CMode::in_place) d.copy_from(c0);
+  }
+  const Tensor c = cs.c == CMode::separate ? c0 : cs.c == CMode::in_place ? d : Tensor();
+  call(cs, a, b, d, c);
+  const std::vector<double> want = ref::gemm(cs.layout, a.ref, b.ref, c0);
+  const std::vector<double> got = ref::to_f64(d);
+  const double diff = ref::calc_diff(got, want);
+  EXPECT_LE(diff, 1e-5);
+  // Element-wise, against the classic bound for f32 accumulation of K terms:
+  // |got - want| <= 2K·2^-24·(Σ|a·b| + |c|) (+ half a bf16 ulp when D is bf16).
+  const std::vector<double> abs_dot = ref::gemm(cs.layout, abs_operand(a.ref), abs_operand(b.ref));
+  const std::vector<double> c_vals = c0.defined() ? ref::to_f64(c0) : std::vector<double>(got.size(), 0.0);
+  double worst = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double tol = (cs.out == DType::bf16 ? 0x1p-8 * std::fabs(want[i]) : 0x1p-24 * std::fabs(want[i])) +
+                       2.0 * static_cast<double>(cs.k + 1) * 0x1p-24 * (abs_dot[i] + std::fabs(c_vals[i])) + 1e-30;
+    worst = std::max(worst, std::fabs(got[i] - want[i]) / tol);
+  }
+  EXPECT_LE(worst, 1.0) << "largest element error / bound";
+  return got;
+}
+
+const Layout kLayouts[] = {Layout::nt, Layout::nn, Layout::tn, Layout::tt};
+
+struct FmtPair {
+  Fmt a, b;
+};
+const FmtPair kPairs[] = {{Fmt::bf16, Fmt::bf16},      {Fmt::fp8_token, Fmt::fp8_block}, {Fmt::fp8_token, Fmt::fp8_channel},
+                          {Fmt::fp4, Fmt::fp4},        {Fmt::fp8_token, Fmt::fp4},       {Fmt::fp4, Fmt::fp8_block}};
+
+// Every layout x format pair x output dtype x C mode x scale dtype, small awkward shape
+// (K spans two K blocks and ends in a partial scale group), on every ISA path; all paths
+// must agree bit for bit.
+TEST(Gemm, AllCombinationsMatchOracleAndAgreeAcrossIsas) {
+  uint64_t seed = 1;
+  for (Layout layout : kLayouts)
+    for (const FmtPair& p : kPairs)
+      for (DType out : {DType::f32, DType::bf16})
+        for (CMode cm : {CMode::none, CMode::separate, CMode::in_place})
+          for (bool ue8m0 : {false, true}) {
+            if (p.a == Fmt::bf16 && ue8m0) continue;  // no scales to encode
+            Case cs{layout, p.a, p.b, 7, 18, 300, out, cm, ue8m0};
+            std::vector<double> first;
+            for_each_isa([&](Isa) {
+              const std::vector<double> got = check_case(cs, seed);
+              if (first.empty()) first = got;
+              else EXPECT_EQ(0, std::memcmp(first.data(), got.data(), got.size() * sizeof(double))) << cs.str();
+            });
+            ++seed;
+          }
+}
+
+// Awkward shapes per layout: M in {1, 2, 7, 129}, N not a multiple of 16 or 128, K not a
+// multiple of 128.
+TEST(Gemm, AwkwardShapes) {
+  uint64_t seed = 1000;
+  for (Layout layout : kLayouts)
+    for (int64_t m : {1, 2, 7, 129})
+      for (auto [n, k] : {std::pair<int64_t, int64_t>{1, 33}, {130, 200}, {257, 130}}) {
+        check_case({layout, Fmt::bf16, Fmt::bf16, m, n, k, DType::f32, CMode::none, false}, seed++);
+        check_case({layout, Fmt::fp8_token, Fmt::fp8_block, m, n, k, DType::bf16, CMode::separate, false}, seed++);
+        check_case({layout, Fmt::fp8_token, Fmt::fp4, m, n, k, DType::f32, CMode::none, true}, seed++);
+        check_case({layout, Fmt::fp4, Fmt::fp8_channel, m, n, k + (k & 1), DType::bf16, CMode::in_place, true}, seed++);
+      }
+}
+
+// A large-enough problem to take the multi-threaded, multi-block path (several K blocks,
+// row and column blocks); results must not depend on the thread count.
+TEST(Gemm, BitIdenticalAcrossThreadCounts) {
+  ThreadGuard guard;
+  for (auto [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{200, 1100, 600}, {3, 700, 1000}}) {
+    const Tensor xa = random_bf16(m, k, 7), xb = random_bf16(n, k, 8);
+    const Quantized qa = per_token_cast_to_fp8(xa, false), qb = per_block_cast_to_fp8(xb, false);
+    std::vector<std::vector<float>> results;
+    for (int threads : {1, 2, 3}) {
+      set_num_threads(threads);
+      Tensor d = Tensor::empty({m, n}, DType::f32), d8 = Tensor::empty({m, n}, DType::f32);
+      bf16_gemm_nt(xa, xb, d);
+      fp8_gemm_nt(qa, qb, d8);
+      std::vector<float> r(static_cast<size_t>(2 * m * n));
+      std::memcpy(r.data(), d.data(), static_cast<size_t>(m * n) * 4);
+      std::memcpy(r.data() + m * n, d8.data(), static_cast<size_t>(m * n) * 4);
+      results.push_back(r);
+    }
+    for (size_t i = 1; i < results.size(); ++i)
+      EXPECT_EQ(0, std::memcmp(results[0].data(), results[i].data(), results[0].size() * 4)) << "threads #" << i;
+    // And once against the oracle.
+    const std::vector<double> want = ref::gemm(Layout::nt, {xa, Tensor(), 1, 128}, {xb, Tensor(), 1, 128});
+    std::vector<double> got(results[0].begin(), results[0].begin() + m * n);
+    EXPECT_LE(ref::calc_diff(got, want), 1e-5);
+  }
+}
+
+// formats.md's tolerances against the product of the unquantised inputs.
+TEST(Gemm, QuantisedAgainstUnquantisedProduct) {
+  const int64_t m = 64, n = 96, k = 512;
+  // Plain normal data, as upstream's tests (no extra spread of magnitudes within a group).
+  const Tensor xa = random_bf16(m, k, 21, 0), xb = random_bf16(n, k, 22, 0);
+  const std::vector<double> exact = ref::gemm(Layout::nt, {xa, Tensor(), 1, 128}, {xb, Tensor(), 1, 128});
+  struct Row {
+    Fmt a, b;
+    double limit;
+  };
+  for (const Row& r : {Row{Fmt::fp8_token, Fmt::fp8_block, 1e-3}, Row{Fmt::fp8_token, Fmt::fp8_channel, 1e-3},
+                       Row{Fmt::fp8_token, Fmt::fp4, 1e-2}, Row{Fmt::fp4, Fmt::fp4, 2e-2}})
+    for (bool ue8m0 : {false, true}) {
+      SCOPED_TRACE(std::string(fmt_name(r.a)) + " x " + fmt_name(r.b) + (ue8m0 ? " ue8m0" : ""));
+      const Built a = build(xa, r.a, true, ue8m0), b = build(xb, r.b, true, ue8m0);
+      Tensor d = Tensor::empty({m, n}, DType::f32);
+      GemmOptions o;
+      o.recipe_a = a.recipe;
+      o.recipe_b = b.recipe;
+      fp8_fp4_gemm_nt(a.q, b.q, d, Tensor(), o);
+      EXPECT_LE(ref::calc_diff(ref::to_f64(d), exact), r.limit);
+    }
+}
+
+// Default recipes: (1,128,128) for FP8 x FP8, (1,1,32) with an FP4 operand.
+TEST(Gemm, DefaultRecipes) {
+  const int64_t m = 5, n = 140, k = 256;
+  const Tensor xa = random_bf16(m, k, 31), xb = random_bf16(n, k, 32);
+  const Quantized qa = per_token_cast_to_fp8(xa, false), qb = per_block_cast_to_fp8(xb, false);
+  Tensor d = Tensor::empty({m, n}, DType::f32);
+  fp8_gemm_nt(qa, qb, d);
+  EXPECT_LE(ref::calc_diff(ref::to_f64(d), ref::gemm(Layout::nt, {qa.values, qa.sf, 1, 128}, {qb.values, qb.sf, 128, 128})), 1e-5);
+  const Quantized fa = per_token_cast_to_fp4(xa, true), fb = per_token_cast_to_fp4(xb, true);
+  fp8_fp4_gemm_nt(fa, fb, d);
+  EXPECT_LE(ref::calc_diff(ref::to_f64(d), ref::gemm(Layout::nt, {fa.values, fa.sf, 1, 32}, {fb.values, fb.sf, 1, 32})), 1e-5);
+  // One recipe for both operands.
+  const Quantized ca = per_token_cast_to_fp8(xb, false);
+  GemmOptions o;
+  o.recipe = Recipe{1, 1, 128};
+  fp8_gemm_nt(qa, ca, d, Tensor(), o);
+  EXPECT_LE(ref::calc_diff(ref::to_f64(d), ref::gemm(Layout::nt, {qa.values, qa.sf, 1, 128}, {ca.values, ca.sf, 1, 128})), 1e-5);
+}
+
+// Strided views: operands and outputs that are slices of larger buffers; K = 0; M or N 0.
+TEST(Gemm, StridedViewsAndEmptyDims) {
+  const Tensor big_a = random_bf16(40, 300, 41), big_b = random_bf16(50, 300, 42);
+  const Tensor a = big_a.slice(0, 3, 20).slice(1, 10, 270), b = big_b.slice(0, 1, 34).slice(1, 10, 270);
+  Tensor big_d = Tensor::zeros({30, 64}, DType::f32);
+  const Tensor d = big_d.slice(0, 2, 19).slice(1, 5, 38);
+  bf16_gemm_nt(a, b, d);
+  EXPECT_LE(ref::calc_diff(ref::to_f64(d), ref::gemm(Layout::nt, {a, Tensor(), 1, 128}, {b, Tensor(), 1, 128})), 1e-5);
+  // Outside the view nothing was written.
+  EXPECT_EQ(big_d.data_ptr<float>()[0], 0.0f);
+  EXPECT_EQ(big_d.data_ptr<float>()[2 * 64 + 4], 0.0f);
+  EXPECT_EQ(big_d.data_ptr<float>()[2 * 64 + 38], 0.0f);
+  // Transposed views give the other layouts without copies.
+  const Tensor at = a.contiguous().t(), bt = b.contiguous().t();  // [K, M], [K, N] views
+  Tensor d2 = Tensor::empty({17, 33}, DType::f32);
+  bf16_gemm_tn(at.contiguous(), bt.contiguous(), d2);
+  EXPECT_LE(ref::calc_diff(ref::to_f64(d2), ref::to_f64(d)), 1e-12);
+  // K = 0: D = C (or zeros).
+  const Tensor a0 = Tensor::empty({4, 0}, DType::bf16), b0 = Tensor::empty({6, 0}, DType::bf16);
+  Tensor c = Tensor::empty({4, 6}, DType::f32);
+  for (int i = 0; i < 24; ++i) c.data_ptr<float>()[i] = static_cast<float>(i);
+  Tensor d0 = Tensor::empty({4, 6}, DType::f32);
+  bf16_gemm_nt(a0, b0, d0, c);
+  EXPECT_EQ(0, std::memcmp(d0.data(), c.data(), 24 * 4));
+  bf16_gemm_nt(a0, b0, d0);
+  for (int i = 0; i < 24; ++i) EXPECT_EQ(d0.data_ptr<float>()[i], 0.0f);
+  // M = 0 or N = 0: nothing to do, no error.
+  bf16_gemm_nt(Tensor::empty({0, 8}, DType::bf16), Tensor::empty({3, 8}, DType::bf16), Tensor::empty({0, 3}, DType::f32));
+  bf16_gemm_nt(Tensor::empty({2, 8}, DType::bf16), Tensor::empty({0, 8}, DType::bf16), Tensor::empty({2, 0}, DType::f32));
+}
+
+// NaN in an FP8 operand (code 0x7f) or a NaN ue8m0 scale (255) poisons exactly the
+// outputs that use it.
+TEST(Gemm, NaNPropagation) {
+  const int64_t m = 3, n = 20, k = 256;
+  const Tensor xa = random_bf16(m, k, 51), xb = random_bf16(n, k, 52);
+  Quantized qa = per_token_cast_to_fp8(xa, false), qb = per_block_cast_to_fp8(xb, false);
+  qb.values.data_ptr<uint8_t>()[5 * k + 17] = 0x7f;  // b[5, 17] = NaN
+  Tensor d = Tensor::empty({m, n}, DType::f32);
+  fp8_gemm_nt(qa, qb, d);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) EXPECT_EQ(std::isnan(d.data_ptr<float>()[i * n + j]), j == 5) << i << "," << j;
+}
+
+// ---------------------------------------------------------------- bad input
+
+TEST(Gemm, BadInputRaisesNamedErrors) {
+  const Tensor a = random_bf16(4, 64, 1), b = random_bf16(8, 64, 2);
+  Tensor d = Tensor::empty({4, 8}, DType::f32);
+  EXPECT_MOEKIT_ERROR_ARG(bf16_gemm_nt(Tensor(), b, d), "a");
+  EXPECT_MOEKIT_ERROR_ARG(bf16_gemm_nt(Tensor::empty({4, 64}, DType::f32), b, d), "a");
+  EXPECT_MOEKIT_ERROR_ARG(bf16_gemm_nt(a, random_bf16(8, 65, 3), d), "b");       // K mismatch
+  EXPECT_MOEKIT_ERROR_ARG(bf16_gemm_nt(a, b, Tensor::empty({4, 9}, DType::f32)), "d");
+  EXPECT_MOEKIT_ERROR_ARG(bf16_gemm_nt(a, b, Tensor::empty({4, 8}, DType::e4m3)), "d");
+  EXPECT_MOEKIT_ERROR_ARG(bf16_gemm_nt(a, b, d, Tensor::empty({4, 8}, DType::bf16)), "c");  // dtype != d
+  EXPECT_MOEKIT_ERROR_ARG(bf16_gemm_nt(a, b, d, Tensor::empty({8, 4}, DType::f32)), "c");
+  EXPECT_MOEKIT_ERROR_ARG(bf16_gemm_nt(a.t(), b, d), "a");                          // last dim not unit-stride
+  EXPECT_MOEKIT_ERROR_ARG(bf16_gemm_nt(a.reshape({4, 8, 8}), b, d), "a");           // rank
+  EXPECT_MOEKIT_ERROR_ARG(bf16_gemm_nn(a, b, d), "b");                              // [K, N] expected: K mismatch
+  Quantized qa = per_token_cast_to_fp8(a, false), qb = per_block_cast_to_fp8(b, false);
+  EXPECT_MOEKIT_ERROR_ARG(fp8_gemm_nt({a, qa.sf}, qb, d), "a.values");
+  EXPECT_MOEKIT_ERROR_ARG(fp8_gemm_nt(qa, {qb.values, qa.sf}, d), "b.sf");          // sf shape
+  EXPECT_MOEKIT_ERROR_ARG(fp8_gemm_nt({qa.values, Tensor()}, qb, d), "a.sf");
+  EXPECT_MOEKIT_ERROR_ARG(fp8_gemm_nt({qa.values, Tensor::empty({4, 1}, DType::bf16)}, qb, d), "a.sf");
+  GemmOptions o;
+  o.recipe = Recipe{1, 1, 128};  // per-channel sf expected for b: [8, 1]
+  EXPECT_MOEKIT_ERROR_ARG(fp8_gemm_nt(qa, qb, d, Tensor(), o), "b.sf");
+  o.recipe = Recipe{1, 0, 128};
+  EXPECT_MOEKIT_ERROR_ARG(fp8_gemm_nt(qa, qb, d, Tensor(), o), "recipe for b.sf");
+  // Packed ue8m0 sf with the f32 shape.
+  EXPECT_MOEKIT_ERROR_ARG(fp8_gemm_nt({qa.values, Tensor::zeros({4, 5}, DType::i32)}, qb, d), "a.sf");
+}
+
+TEST(Gemm, CompatibilityHelpers) {
+  EXPECT_EQ(get_tma_aligned_size(5, 4), 8);
+  EXPECT_EQ(get_tma_aligned_size(8, 4), 8);
+  EXPECT_EQ(get_tma_aligned_size(17, 1), 32);
+  EXPECT_EQ(get_tma_aligned_size(0, 2), 0);
+  EXPECT_MOEKIT_ERROR_ARG(get_tma_aligned_size(5, 3), "element_size");
+  const Tensor x = random_bf16(300, 200, 61);
+  const Quantized q = per_block_cast_to_fp8(x, false);
+  const Tensor view = q.sf.t().contiguous().t();  // same values, column-major
+  const Tensor sf = transform_sf_into_required_layout(view, 300, 200, Recipe{1, 128, 128}, std::nullopt, false);
+  ASSERT_TRUE(sf.is_contiguous());
+  EXPECT_EQ(0, std::memcmp(sf.data(), q.sf.data(), static_cast<size_t>(q.sf.numel()) * 4));
+  EXPECT_MOEKIT_ERROR_ARG(transform_sf_into_required_layout(q.sf, 300, 200, Recipe{1, 128, 128}, std::nullopt, true),
+                          "sf");  // is_sfa: [300, 2] expected
+  const Tensor g = transform_sf_into_required_layout(Tensor::zeros({3, 300, 2}, DType::f32), 300, 200,
+                                                     Recipe{1, 128, 128}, 3, true);
+  EXPECT_EQ(g.shape(), (Shape{3, 300, 2}));
+}
+
+}  // namespace
+}  // namespace moekit
