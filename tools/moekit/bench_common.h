@@ -44,5 +44,6 @@ struct BenchOptions {
 };
 
 void bench_formats(const BenchOptions& options);
+void bench_gemm(const BenchOptions& options);
 
 }  // namespace moekit::tools

@@ -62,7 +62,7 @@ int main(int argc, char** argv) {
   tools::BenchOptions bench_options;
   std::vector<std::string> suites;
   auto* bench = app.add_subcommand("bench", "run benchmark suites (rows per shared/spec/benchmarks.md)");
-  bench->add_option("suites", suites, "suites: formats, all")->required()->check(CLI::IsMember({"formats", "all"}));
+  bench->add_option("suites", suites, "suites: formats, gemm, all")->required()->check(CLI::IsMember({"formats", "gemm", "all"}));
   bench->add_flag("--quick", bench_options.quick, "small sizes, few repeats (smoke run)");
   bench->add_option("--repeats", bench_options.repeats, "timed repeats (median reported)")->check(CLI::Range(1, 1000));
 
@@ -75,8 +75,10 @@ int main(int argc, char** argv) {
     }
     if (*bench) {
       bench_options.json = json;
-      for (const auto& s : suites)
+      for (const auto& s : suites) {
         if (s == "formats" || s == "all") tools::bench_formats(bench_options);
+        if (s == "gemm" || s == "all") tools::bench_gemm(bench_options);
+      }
     }
   } catch (const moekit::Error& e) {
     fmt::print(stderr, "error: {}\n", e.what());

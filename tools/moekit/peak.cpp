@@ -117,6 +117,15 @@ double read_bandwidth(const Buffer& b, int threads, int repeats, void (*loop)(co
 
 }  // namespace
 
+double measure_bf16_flops(int repeats) {
+  std::vector<Ceiling> out;
+  measure_compute(out, num_threads(), repeats);
+  double best = 0;
+  for (const Ceiling& c : out)
+    if (c.name == "bf16_flops") best = std::max(best, c.value);
+  return best;
+}
+
 double measure_read_bandwidth(int64_t bytes, int repeats) {
   const int threads = num_threads();
   const Buffer b = make_buffer(bytes, threads);

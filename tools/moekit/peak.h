@@ -20,6 +20,9 @@ struct PeakOptions {
 };
 
 std::vector<Ceiling> measure_peak(const PeakOptions& options);
+// The all-thread bf16 dot-product ceiling (FLOP/s): vdpbf16ps where the CPU has it, else
+// f32 FMA on widened bf16.
+double measure_bf16_flops(int repeats);
 // The best all-thread read bandwidth (bytes/s), measured quickly for benchmark suites.
 double measure_read_bandwidth(int64_t bytes, int repeats);
 

@@ -15,10 +15,12 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <string>
 
 #include "core/check.h"
+#include "cpu/formats/format_kernels.h"
 #include "cpu/gemm/gemm_kernels.h"
 #include "moekit/error.h"
 #include "moekit/runtime.h"
@@ -79,24 +81,43 @@ ThreadBuffers& thread_buffers() {
 
 // ---------------------------------------------------------------- the driver
 
-float load_as_f32(const uint8_t* row, DType dtype, int64_t j) {
-  if (dtype == DType::f32) return reinterpret_cast<const float*>(row)[j];
-  return bf16_to_f32(reinterpret_cast<const uint16_t*>(row)[j]);
-}
+// Partial sums of a block of D, stored panel by panel: element (i, j) of the block is at
+// data[(j / width) * panel_stride + i * width + j % width]. width = the block's columns
+// gives plain row-major storage.
+struct AccBlock {
+  float* data;
+  int64_t width, panel_stride;
+};
 
-void write_block(const Output& out, const float* acc, int64_t ld_acc, int64_t m0, int64_t m1, int64_t n0,
-                 int64_t nc) {
+// D rows [m0, m1) x columns [n0, n0 + nc) = acc (+ C), rounded to D's dtype, a row at a
+// time with the formats component's vector converters (f32 sum first, then one rounding).
+void write_block(const Output& out, const AccBlock& acc, int64_t m0, int64_t m1, int64_t n0, int64_t nc) {
+  const detail::FormatKernels& fk = detail::format_kernels();
   const size_t es = element_size(out.dtype), ces = element_size(out.c_dtype);
+  constexpr int64_t kChunk = 256;
+  alignas(64) float row[kChunk], c_row[kChunk];
   for (int64_t i = m0; i < m1; ++i) {
-    const float* src = acc + (i - m0) * ld_acc;
     uint8_t* drow = out.d + (i * out.ldd + n0) * static_cast<int64_t>(es);
     const uint8_t* crow = out.c ? out.c + (i * out.ldc + n0) * static_cast<int64_t>(ces) : nullptr;
-    for (int64_t j = 0; j < nc; ++j) {
-      const float v = crow ? src[j] + load_as_f32(crow, out.c_dtype, j) : src[j];
-      if (out.dtype == DType::f32)
-        reinterpret_cast<float*>(drow)[j] = v;
-      else
-        reinterpret_cast<uint16_t*>(drow)[j] = f32_to_bf16(v);
+    for (int64_t j = 0; j < nc; j += kChunk) {
+      const int64_t len = std::min(kChunk, nc - j);
+      for (int64_t t = 0; t < len;) {  // gather the row's pieces from their panels
+        const int64_t col = j + t, in_panel = col % acc.width;
+        const int64_t piece = std::min(len - t, acc.width - in_panel);
+        std::memcpy(row + t, acc.data + (col / acc.width) * acc.panel_stride + (i - m0) * acc.width + in_panel,
+                    static_cast<size_t>(piece) * sizeof(float));
+        t += piece;
+      }
+      if (crow) {
+        const float* cv = reinterpret_cast<const float*>(crow) + j;
+        if (out.c_dtype == DType::bf16) {
+          fk.bf16_to_f32(reinterpret_cast<const uint16_t*>(crow) + j, c_row, len);
+          cv = c_row;
+        }
+        for (int64_t t = 0; t < len; ++t) row[t] += cv[t];
+      }
+      if (out.dtype == DType::f32) std::memcpy(reinterpret_cast<float*>(drow) + j, row, static_cast<size_t>(len) * 4);
+      else fk.f32_to_bf16(row, reinterpret_cast<uint16_t*>(drow) + j, len);
     }
   }
 }
@@ -111,10 +132,11 @@ void run_item(const detail::GemmKernels& kern, const GemmOperand& a, const GemmO
   const int64_t mc_max = std::min<int64_t>(kMc, ceil_div(rows, kern.mr) * kern.mr);
   float* pa = buf.a.get(static_cast<size_t>(mc_max * kGemmKc));
   float* pb = buf.b.get(static_cast<size_t>(nc_max * kGemmKc));
-  float* acc = buf.acc.get(static_cast<size_t>(rows * nc_max));
+  const int64_t panel_stride = rows * kern.nr;
+  float* acc = buf.acc.get(static_cast<size_t>(rows * ceil_div(nc_max, kern.nr) * kern.nr));
   for (int64_t jc = n0; jc < n1; jc += nc_max) {
     const int64_t nc = std::min(nc_max, n1 - jc);
-    if (k == 0) std::fill(acc, acc + rows * nc_max, 0.0f);
+    if (k == 0) std::fill(acc, acc + rows * ceil_div(nc_max, kern.nr) * kern.nr, 0.0f);
     for (int64_t pc = 0; pc < k; pc += kGemmKc) {
       const int64_t kc = std::min(kGemmKc, k - pc);
       kern.pack(b, jc, nc, pc, kc, kern.nr, pb);
@@ -126,13 +148,34 @@ void run_item(const detail::GemmKernels& kern, const GemmOperand& a, const GemmO
           const float* bp = pb + (jr / kern.nr) * kc * kern.nr;
           for (int64_t ir = 0; ir < mc; ir += kern.mr) {
             const int r = static_cast<int>(std::min<int64_t>(kern.mr, mc - ir));
-            kern.tile(kc, pa + (ir / kern.mr) * kc * kern.mr, bp, acc + (ic - m0 + ir) * nc_max + jr, nc_max, r,
-                      cols, pc > 0);
+            // Sums live tile-contiguous (panel-major, row stride nr): the sweep over ir
+            // walks memory linearly instead of touching a new page per row.
+            kern.tile(kc, pa + (ir / kern.mr) * kc * kern.mr, bp, acc + (jr / kern.nr) * panel_stride + (ic - m0 + ir) * kern.nr,
+                      kern.nr, r, cols, pc > 0);
           }
         }
       }
     }
-    write_block(out, acc, nc_max, m0, m1, jc, nc);
+    write_block(out, {acc, kern.nr, panel_stride}, m0, m1, jc, nc);
+  }
+}
+
+// Small M: B streamed once, split by columns; each thread writes its own column range.
+void run_small_m(const detail::GemmKernels& kern, const GemmOperand& a, const GemmOperand& b, const Output& out,
+                 int threads) {
+  const int64_t m = a.mn, n = b.mn;
+  constexpr int64_t kCols = 256;  // columns per result block (bounds the f32 buffer)
+  const int64_t chunk = ceil_div(ceil_div(n, threads), 4) * 4;
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t t = omp_get_thread_num();
+    const int64_t n0 = std::min(n, t * chunk), n1 = std::min(n, n0 + chunk);
+    float* res = thread_buffers().acc.get(static_cast<size_t>(m * kCols));
+    for (int64_t j = n0; j < n1; j += kCols) {
+      const int64_t nc = std::min(kCols, n1 - j);
+      kern.small_m(a, b, j, j + nc, res, kCols);
+      write_block(out, {res, kCols, 0}, 0, m, j, nc);
+    }
   }
 }
 
@@ -140,6 +183,11 @@ void run_gemm(const GemmOperand& a, const GemmOperand& b, const Output& out) {
   const int64_t m = a.mn, n = b.mn, k = a.k;
   if (m == 0 || n == 0) return;
   const detail::GemmKernels& kern = detail::gemm_kernels(active_isa());
+  if (m <= detail::kGemmSmallM && a.k_major && b.k_major && k > 0) {
+    const double bytes = static_cast<double>(n) * static_cast<double>(k);
+    run_small_m(kern, a, b, out, bytes < 1e6 ? 1 : std::max(1, num_threads()));
+    return;
+  }
   const int64_t nc_max = m <= 4 * kern.mr ? kNcSmallM : kNcLarge;
   // Threads: enough work per thread to pay for the fork.
   const double flops = 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(std::max<int64_t>(k, 1));

@@ -44,7 +44,12 @@ struct GemmKernels {
   // overwrites c. FMAs in kk order from the loaded (or zero) value of c.
   void (*tile)(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, int rows, int cols,
                bool accumulate);
+  // Small M (a.mn ≤ kGemmSmallM), both operands K-major: out[m, j - n0] = Σ_k a·b for
+  // columns [n0, n1), f32, row stride ld_out. Streams B once, decoding as it goes.
+  void (*small_m)(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t n1, float* out, int64_t ld_out);
 };
+
+inline constexpr int64_t kGemmSmallM = 16;
 
 const GemmKernels& gemm_kernels_scalar();
 const GemmKernels& gemm_kernels_avx2();

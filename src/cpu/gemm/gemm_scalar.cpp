@@ -7,6 +7,7 @@
 #include <cstring>
 #include <limits>
 #include <utility>
+#include <vector>
 
 #include "cpu/formats/format_kernels.h"
 #include "gemm_kernels.h"
@@ -26,6 +27,23 @@ struct G {
     for (int i = 0; i < N; ++i) r.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
     return r;
   }
+  // 8-lane vectors of the small-M path.
+  struct F8 { float v[8]; };
+  static F8 load8(const float* p) { F8 r; std::memcpy(r.v, p, sizeof r.v); return r; }
+  static void store8(float* p, const F8& x) { std::memcpy(p, x.v, sizeof x.v); }
+  static F8 fma8(const F8& a, const F8& b, const F8& c) {
+    F8 r;
+    for (int i = 0; i < 8; ++i) r.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
+    return r;
+  }
+  // The fixed reduction tree of every target: ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)).
+  static float reduce8(const float* l) { return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7])); }
+  static void transpose_block(const float* src, int64_t lds, float* dst, int64_t ldd) {
+    for (int r = 0; r < N; ++r)
+      for (int c = 0; c < N; ++c) dst[c * ldd + r] = src[r * lds + c];
+  }
+  // No vector decoder: the exact tables do every element.
+  static int64_t decode_scaled(DType, const uint8_t*, int64_t, int64_t, float, float*) { return 0; }
 };
 
 #include "gemm_simd.inc"

@@ -1,0 +1,197 @@
+// `moekit bench gemm`: dense GEMMs on upstream's shapes (gemm.md), TFLOPS against the
+// measured bf16 ceiling, and memory-bound decode rows (M ≤ 16, weights far above L3) in
+// GB/s against the measured read bandwidth.
+//
+// Peers, measured in the same run on the same data:
+//  - oneDNN's bf16 matmul where this oneDNN/CPU has one; otherwise (oneDNN 2.6 implements
+//    bf16 matmul only on AVX-512 CPUs) oneDNN's sgemm on f32 copies of the bf16 operands,
+//    copies made outside the timing - the best oneDNN path a user has on such a machine.
+//  - FP8/FP4 rows: the naive path - dequantise both operands (moekit's vectorised
+//    cast_back, timed) then the oneDNN GEMM above.
+// Correctness: a corner of every result (first rows x first columns) against the f64 oracle.
+#include <fmt/format.h>
+#include <oneapi/dnnl/dnnl.hpp>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <random>
+
+#include "bench_common.h"
+#include "moekit/formats.h"
+#include "moekit/gemm.h"
+#include "moekit/runtime.h"
+#include "peak.h"
+#include "reference.h"
+
+namespace moekit::tools {
+
+namespace {
+
+Tensor random_bf16(int64_t rows, int64_t cols, uint64_t seed) {
+  Tensor t = Tensor::empty({rows, cols}, DType::bf16);
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    std::mt19937_64 rng(seed * 1000003 + static_cast<uint64_t>(r));
+    std::normal_distribution<float> dist(0.0f, 1.0f);
+    auto* row = t.data_ptr<uint16_t>() + r * cols;
+    for (int64_t c = 0; c < cols; ++c) row[c] = f32_to_bf16(dist(rng));
+  }
+  return t;
+}
+
+Tensor to_f32(const Tensor& x) {
+  Tensor out = Tensor::empty(x.shape(), DType::f32);
+  convert(x, out);
+  return out;
+}
+
+// oneDNN: bf16 matmul when available, else sgemm on f32 inputs. D = A[M,K] · B[N,K]ᵀ, f32.
+class OneDnnGemm {
+ public:
+  OneDnnGemm() : engine_(dnnl::engine::kind::cpu, 0), stream_(engine_) {}
+
+  // True when oneDNN has a bf16 matmul for this CPU.
+  bool bf16_available(int64_t m, int64_t n, int64_t k) {
+    try {
+      make(m, n, k);
+      return true;
+    } catch (const dnnl::error&) {
+      return false;
+    }
+  }
+  void bf16(const Tensor& a, const Tensor& b, const Tensor& d) {
+    const int64_t m = a.size(0), k = a.size(1), n = b.size(0);
+    if (!prim_ || m != m_ || n != n_ || k != k_) make(m, n, k);
+    dnnl::memory ma(pd_.src_desc(), engine_, a.data()), mb(pd_.weights_desc(), engine_, b.data()),
+        md(pd_.dst_desc(), engine_, d.data());
+    prim_->execute(stream_, {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, md}});
+    stream_.wait();
+  }
+  static void sgemm(const Tensor& a, const Tensor& b, const Tensor& d) {
+    const int64_t m = a.size(0), k = a.size(1), n = b.size(0);
+    dnnl_sgemm('N', 'T', m, n, k, 1.0f, a.data_ptr<float>(), k, b.data_ptr<float>(), k, 0.0f, d.data_ptr<float>(), n);
+  }
+
+ private:
+  void make(int64_t m, int64_t n, int64_t k) {
+    using dt = dnnl::memory::data_type;
+    using tag = dnnl::memory::format_tag;
+    dnnl::memory::desc ad({m, k}, dt::bf16, tag::ab), bd({k, n}, dt::bf16, tag::ba), dd({m, n}, dt::f32, tag::ab);
+    pd_ = dnnl::matmul::primitive_desc(dnnl::matmul::desc(ad, bd, dd), engine_);
+    prim_ = std::make_unique<dnnl::matmul>(pd_);
+    m_ = m, n_ = n, k_ = k;
+  }
+  dnnl::engine engine_;
+  dnnl::stream stream_;
+  dnnl::matmul::primitive_desc pd_;
+  std::unique_ptr<dnnl::matmul> prim_;
+  int64_t m_ = 0, n_ = 0, k_ = 0;
+};
+
+struct Shape3 {
+  int64_t m, n, k;
+};
+
+// calc_diff of D's top-left corner against the oracle on the same operands.
+double corner_diff(const Tensor& d, const ref::Operand& a, const ref::Operand& b, int64_t rows, int64_t cols) {
+  ref::Operand ac = a, bc = b;
+  ac.values = a.values.slice(0, 0, rows);
+  bc.values = b.values.slice(0, 0, cols);
+  if (a.sf.defined()) ac.sf = a.sf.slice(0, 0, (rows + a.gran_mn - 1) / a.gran_mn);
+  if (b.sf.defined()) bc.sf = b.sf.slice(0, 0, (cols + b.gran_mn - 1) / b.gran_mn);
+  return ref::calc_diff(ref::to_f64(d.slice(0, 0, rows).slice(1, 0, cols)), ref::gemm(ref::Layout::nt, ac, bc));
+}
+
+}  // namespace
+
+void bench_gemm(const BenchOptions& o) {
+  const double bf16_flops = measure_bf16_flops(3) / 1e12;  // TFLOP/s
+  double read_bw = 0;
+  auto remeasure_bw = [&] { read_bw = std::max(read_bw, measure_read_bandwidth(int64_t{512} << 20, 2) / 1e9); };
+  remeasure_bw();
+  OneDnnGemm onednn;
+  const bool dnnl_bf16 = onednn.bf16_available(16, 16, 16);
+  const std::string peer_name = dnnl_bf16 ? "onednn bf16 matmul" : "onednn sgemm(f32)";
+  std::vector<Row> rows_out;
+
+  std::vector<std::pair<int64_t, int64_t>> nk = {{2112, 7168}, {576, 7168},  {24576, 1536}, {32768, 512},
+                                                  {7168, 16384}, {4096, 7168}, {7168, 2048}};
+  std::vector<int64_t> ms = {1, 128, 4096};
+  if (o.quick) nk = {{576, 1024}, {1024, 512}}, ms = {1, 128, 256};
+
+  enum class Kind { bf16, fp8, fp4 };
+  for (const int64_t m : ms)
+    for (const auto& [n, k] : nk) {
+      const Tensor xa = random_bf16(m, k, 1), xb = random_bf16(n, k, 2);
+      const Tensor fa = dnnl_bf16 ? Tensor() : to_f32(xa), fb = dnnl_bf16 ? Tensor() : to_f32(xb);
+      const Tensor d = Tensor::zeros({m, n}, DType::bf16), dpeer = Tensor::zeros({m, n}, DType::f32);
+      // Fewer runs for the multi-second M = 4096 problems (stated in the row).
+      const int repeats = m >= 4096 ? std::min(o.repeats, 3) : o.quick ? 3 : o.repeats;
+      const double flops = 2.0 * static_cast<double>(m * n) * static_cast<double>(k);
+      const int64_t check_rows = std::min<int64_t>(m, 8), check_cols = std::min<int64_t>(n, 128);
+
+      for (Kind kind : {Kind::bf16, Kind::fp8, Kind::fp4}) {
+        Quantized qa, qb;
+        ref::Operand ra{xa, Tensor(), 1, 128}, rb{xb, Tensor(), 1, 128};
+        if (kind == Kind::fp8) {
+          qa = per_token_cast_to_fp8(xa, false), qb = per_block_cast_to_fp8(xb, false);
+          ra = {qa.values, qa.sf, 1, 128}, rb = {qb.values, qb.sf, 128, 128};
+        } else if (kind == Kind::fp4) {  // FP8 activations x FP4 weights, ue8m0, gran_k 32
+          qa = per_token_cast_to_fp8(xa, true, 32), qb = per_token_cast_to_fp4(xb, true, 32);
+          qa.sf = pack_ue8m0_to_int(qa.sf), qb.sf = pack_ue8m0_to_int(qb.sf);
+          ra = {qa.values, qa.sf, 1, 32}, rb = {qb.values, qb.sf, 1, 32};
+        }
+        auto run = [&] {
+          if (kind == Kind::bf16) bf16_gemm_nt(xa, xb, d);
+          else fp8_fp4_gemm_nt(qa, qb, d);
+        };
+        // Peer operands: bf16 (or f32) copies of the dequantised inputs, refreshed in the timing.
+        Tensor pa = kind == Kind::bf16 ? (dnnl_bf16 ? xa : fa) : Tensor::empty({m, k}, dnnl_bf16 ? DType::bf16 : DType::f32);
+        Tensor pb = kind == Kind::bf16 ? (dnnl_bf16 ? xb : fb) : Tensor::empty({n, k}, dnnl_bf16 ? DType::bf16 : DType::f32);
+        auto peer = [&] {
+          if (kind == Kind::fp8) {
+            cast_back_from_fp8_into(qa.values, qa.sf, pa, 1, 128);
+            cast_back_from_fp8_into(qb.values, qb.sf, pb, 128, 128);
+          } else if (kind == Kind::fp4) {
+            cast_back_from_fp8_into(qa.values, qa.sf, pa, 1, 32);
+            cast_back_from_fp4_into(qb.values, qb.sf, pb, 1, 32);
+          }
+          if (dnnl_bf16) onednn.bf16(pa, pb, dpeer);
+          else OneDnnGemm::sgemm(pa, pb, dpeer);
+        };
+        Row row;
+        row.kernel = kind == Kind::bf16 ? "bf16_gemm_nt" : kind == Kind::fp8 ? "fp8_gemm_nt" : "fp8_fp4_gemm_nt";
+        row.dtype = kind == Kind::bf16 ? "bf16" : kind == Kind::fp8 ? "fp8" : "fp8xfp4";
+        row.time = time_it(run, repeats);
+        row.peer_time = time_it(peer, repeats);
+        row.peer = kind == Kind::bf16 ? peer_name : "dequant+" + peer_name;
+        row.calc_diff = corner_diff(d, ra, rb, check_rows, check_cols);
+        row.shape = fmt::format("{}x{}x{}", m, n, k);
+        row.threads = num_threads();
+        row.sizes = {{"m", m}, {"n", n}, {"k", k}};
+        row.notes = {{"out", "bf16"}, {"recipe", kind == Kind::bf16 ? "-" : kind == Kind::fp8 ? "1,128,128" : "1,1,32 ue8m0"}};
+        // Small M is memory-bound: report GB/s of what must be read (B + scales + A) and
+        // written (D) against the read bandwidth; otherwise TFLOPS against bf16 dot peak.
+        const double b_bytes = static_cast<double>(n * k) * (kind == Kind::bf16 ? 2.0 : kind == Kind::fp8 ? 1.0 : 0.5);
+        if (m <= 16) {
+          row.gbps = (b_bytes + static_cast<double>(m * k) * 2.0 + static_cast<double>(m * n) * 2.0) / (row.time.median_us * 1e3);
+          row.ceiling = "read_bw";
+          row.notes["tflops"] = fmt::format("{:.4f}", flops / (row.time.median_us * 1e6));
+        } else {
+          row.tflops = flops / (row.time.median_us * 1e6);
+          row.ceiling = "bf16_flops";
+        }
+        rows_out.push_back(row);
+      }
+    }
+  remeasure_bw();
+  Reporter rep{o.json};
+  rep.header("gemm", {{"bf16_flops_TFLOPs", bf16_flops}, {"read_bw_GBps", read_bw}});
+  for (Row& row : rows_out) {
+    row.ceiling_value = row.ceiling == "read_bw" ? read_bw : bf16_flops;
+    rep.print(row);
+  }
+}
+
+}  // namespace moekit::tools
