@@ -20,6 +20,23 @@ Timing time_it(const std::function<void()>& fn, int repeats, int warmup) {
   return {us[us.size() / 2], us.front(), repeats};
 }
 
+std::pair<Timing, Timing> time_interleaved(const std::function<void()>& fn, const std::function<void()>& peer,
+                                           int repeats, int warmup) {
+  for (int i = 0; i < warmup; ++i) fn(), peer();
+  std::vector<double> a, b;
+  auto once = [](const std::function<void()>& f) {
+    const auto t0 = std::chrono::steady_clock::now();
+    f();
+    return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+  };
+  for (int i = 0; i < repeats; ++i) a.push_back(once(fn)), b.push_back(once(peer));
+  auto summarise = [&](std::vector<double>& v) {
+    std::sort(v.begin(), v.end());
+    return Timing{v[v.size() / 2], v.front(), repeats};
+  };
+  return {summarise(a), summarise(b)};
+}
+
 void Reporter::header(const std::string& suite, const std::map<std::string, double>& ceilings) {
   if (json) {
     nlohmann::json j = {{"suite", suite}};
@@ -52,7 +69,7 @@ void Reporter::print(const Row& r) {
   }
   std::string notes;
   for (const auto& [k, v] : r.notes) notes += fmt::format(" {}={}", k, v);
-  fmt::print("{:<26} {:<22} {:<7} {:>3} {:>11.1f} {:>6.1f}{:<3} {:>5.1f}%  {:<18} {:>11.1f} {:>6.2f}x {:>9.2e}{}\n", r.kernel,
+  fmt::print("{:<26} {:<22} {:<7} {:>3} {:>11.1f} {:>7.3f}{:<3} {:>5.1f}%  {:<18} {:>11.1f} {:>6.2f}x {:>9.2e}{}\n", r.kernel,
              r.shape, r.dtype, r.threads, r.time.median_us, value, flops ? " TF" : " GB", pct, r.peer,
              r.peer_time.median_us, speedup, r.calc_diff, notes);
 }

@@ -5,6 +5,7 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace moekit::tools {
@@ -16,6 +17,11 @@ struct Timing {
 
 // Warm-up runs, then `repeats` timed runs (median and min).
 Timing time_it(const std::function<void()>& fn, int repeats = 10, int warmup = 1);
+
+// The same, alternating two functions run by run, so that both see the same machine (this
+// host is shared; back-to-back blocks of runs can land in different load phases).
+std::pair<Timing, Timing> time_interleaved(const std::function<void()>& fn, const std::function<void()>& peer,
+                                           int repeats, int warmup = 1);
 
 struct Row {
   std::string kernel, shape, dtype, backend = "cpu";
@@ -41,6 +47,8 @@ struct BenchOptions {
   bool json = false;
   bool quick = false;  // smaller sizes, fewer repeats (smoke runs)
   int repeats = 10;
+  std::vector<int64_t> gemm_m;   // bench gemm: only these M (empty: upstream's list)
+  std::vector<int64_t> gemm_n;   // bench gemm: only shapes with these N
 };
 
 void bench_formats(const BenchOptions& options);

@@ -16,6 +16,7 @@
 #include <cstring>
 #include <memory>
 #include <random>
+#include <tuple>
 
 #include "bench_common.h"
 #include "moekit/formats.h"
@@ -119,6 +120,9 @@ void bench_gemm(const BenchOptions& o) {
                                                   {7168, 16384}, {4096, 7168}, {7168, 2048}};
   std::vector<int64_t> ms = {1, 128, 4096};
   if (o.quick) nk = {{576, 1024}, {1024, 512}}, ms = {1, 128, 256};
+  if (!o.gemm_m.empty()) ms = o.gemm_m;
+  if (!o.gemm_n.empty())
+    std::erase_if(nk, [&](const auto& s) { return std::find(o.gemm_n.begin(), o.gemm_n.end(), s.first) == o.gemm_n.end(); });
 
   enum class Kind { bf16, fp8, fp4 };
   for (const int64_t m : ms)
@@ -163,8 +167,7 @@ void bench_gemm(const BenchOptions& o) {
         Row row;
         row.kernel = kind == Kind::bf16 ? "bf16_gemm_nt" : kind == Kind::fp8 ? "fp8_gemm_nt" : "fp8_fp4_gemm_nt";
         row.dtype = kind == Kind::bf16 ? "bf16" : kind == Kind::fp8 ? "fp8" : "fp8xfp4";
-        row.time = time_it(run, repeats);
-        row.peer_time = time_it(peer, repeats);
+        std::tie(row.time, row.peer_time) = time_interleaved(run, peer, repeats);
         row.peer = kind == Kind::bf16 ? peer_name : "dequant+" + peer_name;
         row.calc_diff = corner_diff(d, ra, rb, check_rows, check_cols);
         row.shape = fmt::format("{}x{}x{}", m, n, k);

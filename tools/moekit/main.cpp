@@ -63,6 +63,8 @@ int main(int argc, char** argv) {
   std::vector<std::string> suites;
   auto* bench = app.add_subcommand("bench", "run benchmark suites (rows per shared/spec/benchmarks.md)");
   bench->add_option("suites", suites, "suites: formats, gemm, all")->required()->check(CLI::IsMember({"formats", "gemm", "all"}));
+  bench->add_option("--m", bench_options.gemm_m, "gemm: run only these M");
+  bench->add_option("--n", bench_options.gemm_n, "gemm: run only the shapes with these N");
   bench->add_flag("--quick", bench_options.quick, "small sizes, few repeats (smoke run)");
   bench->add_option("--repeats", bench_options.repeats, "timed repeats (median reported)")->check(CLI::Range(1, 1000));
 

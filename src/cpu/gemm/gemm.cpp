@@ -36,8 +36,11 @@ using detail::kGemmKc;
 enum class Side : uint8_t { n, t };  // the layout letter of one operand
 
 constexpr int64_t kMc = 96;    // rows of A packed at a time (a multiple of every mr)
-constexpr int64_t kNcLarge = 1024;  // columns of B packed at a time
-constexpr int64_t kNcSmallM = 256;  // ... when M is a few rows (keeps the B block in L2)
+  // columns of B packed at a time
+// Columns of B packed at a time: as many as possible up to kNcMax (fewer A re-packs),
+// split evenly, and bounded so one thread's f32 partial sums stay within kAccBytes.
+constexpr int64_t kNcMax = 4096;
+constexpr int64_t kAccBytes = int64_t{32} << 20;
 
 struct Output {
   uint8_t* d = nullptr;
@@ -123,11 +126,17 @@ void write_block(const Output& out, const AccBlock& acc, int64_t m0, int64_t m1,
 }
 
 // One thread's rectangle [m0, m1) x [n0, n1) of D.
+int64_t column_block(int64_t rows, int64_t cols, int nr) {
+  const int64_t cap = std::max<int64_t>(nr, std::min(kNcMax, kAccBytes / (4 * std::max<int64_t>(rows, 1))) / nr * nr);
+  return ceil_div(ceil_div(cols, ceil_div(cols, cap)), nr) * nr;
+}
+
 void run_item(const detail::GemmKernels& kern, const GemmOperand& a, const GemmOperand& b, const Output& out,
-              int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t nc_max) {
+              int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
   const int64_t k = a.k;
   const int64_t rows = m1 - m0;
   if (rows <= 0 || n1 <= n0) return;
+  const int64_t nc_max = column_block(rows, n1 - n0, kern.nr);
   ThreadBuffers& buf = thread_buffers();
   const int64_t mc_max = std::min<int64_t>(kMc, ceil_div(rows, kern.mr) * kern.mr);
   float* pa = buf.a.get(static_cast<size_t>(mc_max * kGemmKc));
@@ -149,9 +158,12 @@ void run_item(const detail::GemmKernels& kern, const GemmOperand& a, const GemmO
           for (int64_t ir = 0; ir < mc; ir += kern.mr) {
             const int r = static_cast<int>(std::min<int64_t>(kern.mr, mc - ir));
             // Sums live tile-contiguous (panel-major, row stride nr): the sweep over ir
-            // walks memory linearly instead of touching a new page per row.
-            kern.tile(kc, pa + (ir / kern.mr) * kc * kern.mr, bp, acc + (jr / kern.nr) * panel_stride + (ic - m0 + ir) * kern.nr,
-                      kern.nr, r, cols, pc > 0);
+            // walks memory linearly instead of touching a new page per row. The buffer is
+            // larger than the caches, so the next tile's sums are requested now.
+            float* c_tile = acc + (jr / kern.nr) * panel_stride + (ic - m0 + ir) * kern.nr;
+            const char* next = reinterpret_cast<const char*>(c_tile + 2 * kern.mr * kern.nr);
+            for (int64_t b = 0; b < kern.mr * kern.nr * 4; b += 64) __builtin_prefetch(next + b, 1);
+            kern.tile(kc, pa + (ir / kern.mr) * kc * kern.mr, bp, c_tile, kern.nr, r, cols, pc > 0);
           }
         }
       }
@@ -188,16 +200,17 @@ void run_gemm(const GemmOperand& a, const GemmOperand& b, const Output& out) {
     run_small_m(kern, a, b, out, bytes < 1e6 ? 1 : std::max(1, num_threads()));
     return;
   }
-  const int64_t nc_max = m <= 4 * kern.mr ? kNcSmallM : kNcLarge;
+  (void)k;
   // Threads: enough work per thread to pay for the fork.
   const double flops = 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(std::max<int64_t>(k, 1));
   const int threads = flops < 4e6 ? 1 : std::max(1, num_threads());
   // Split rows or columns, whichever repacks less: splitting rows packs all of B once per
   // thread; splitting columns repacks A once per column block of each thread.
   const int64_t tiles_m = ceil_div(m, kern.mr), tiles_n = ceil_div(n, kern.nr);
-  const double pack_split_m = static_cast<double>(n) * threads + static_cast<double>(m) * ceil_div(n, nc_max);
+  const int64_t nc_m = column_block(ceil_div(m, threads), n, kern.nr), nc_n = column_block(m, ceil_div(n, threads), kern.nr);
+  const double pack_split_m = static_cast<double>(n) * threads + static_cast<double>(m) * ceil_div(n, nc_m);
   const double pack_split_n =
-      static_cast<double>(n) + static_cast<double>(m) * threads * ceil_div(ceil_div(n, threads), nc_max);
+      static_cast<double>(n) + static_cast<double>(m) * threads * ceil_div(ceil_div(n, threads), nc_n);
   const bool split_m = tiles_n < threads || (tiles_m >= threads && pack_split_m <= pack_split_n);
   const int64_t chunk_m = split_m ? ceil_div(tiles_m, threads) * kern.mr : m;
   const int64_t chunk_n = split_m ? n : ceil_div(tiles_n, threads) * kern.nr;
@@ -206,7 +219,7 @@ void run_gemm(const GemmOperand& a, const GemmOperand& b, const Output& out) {
     const int64_t t = omp_get_thread_num();
     const int64_t m0 = split_m ? std::min(m, t * chunk_m) : 0;
     const int64_t n0 = split_m ? 0 : std::min(n, t * chunk_n);
-    run_item(kern, a, b, out, m0, std::min(m, m0 + chunk_m), n0, std::min(n, n0 + chunk_n), nc_max);
+    run_item(kern, a, b, out, m0, std::min(m, m0 + chunk_m), n0, std::min(n, n0 + chunk_n));
   }
 }
 
