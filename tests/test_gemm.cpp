@@ -234,6 +234,26 @@ TEST(Gemm, AllCombinationsMatchOracleAndAgreeAcrossIsas) {
           }
 }
 
+// One and two rows take the targets' fused decode path (B decoded straight into registers):
+// it must agree bit for bit with the portable path, over several K groups, partial groups
+// and a K tail, for every B format.
+TEST(Gemm, SmallMFusedPathAgreesAcrossIsas) {
+  uint64_t seed = 500;
+  for (int64_t m : {1, 2})
+    for (const FmtPair& p : kPairs)
+      for (int64_t k : {40, 300, 1000}) {
+        Case cs{Layout::nt, p.a, p.b, m, 23, k, DType::f32, CMode::none, (k & 1) == 0};
+        if (p.a == Fmt::bf16) cs.ue8m0 = false;
+        std::vector<double> first;
+        for_each_isa([&](Isa) {
+          const std::vector<double> got = check_case(cs, seed);
+          if (first.empty()) first = got;
+          else EXPECT_EQ(0, std::memcmp(first.data(), got.data(), got.size() * sizeof(double))) << cs.str();
+        });
+        ++seed;
+      }
+}
+
 // Awkward shapes per layout: M in {1, 2, 7, 129}, N not a multiple of 16 or 128, K not a
 // multiple of 128.
 TEST(Gemm, AwkwardShapes) {
@@ -352,7 +372,9 @@ TEST(Gemm, StridedViewsAndEmptyDims) {
 // NaN in an FP8 operand (code 0x7f) or a NaN ue8m0 scale (255) poisons exactly the
 // outputs that use it.
 TEST(Gemm, NaNPropagation) {
-  const int64_t m = 3, n = 20, k = 256;
+  for (int64_t m : {1, 2, 3, 40}) {
+  SCOPED_TRACE("m=" + std::to_string(m));
+  const int64_t n = 20, k = 256;
   const Tensor xa = random_bf16(m, k, 51), xb = random_bf16(n, k, 52);
   Quantized qa = per_token_cast_to_fp8(xa, false), qb = per_block_cast_to_fp8(xb, false);
   qb.values.data_ptr<uint8_t>()[5 * k + 17] = 0x7f;  // b[5, 17] = NaN
@@ -360,6 +382,7 @@ TEST(Gemm, NaNPropagation) {
   fp8_gemm_nt(qa, qb, d);
   for (int64_t i = 0; i < m; ++i)
     for (int64_t j = 0; j < n; ++j) EXPECT_EQ(std::isnan(d.data_ptr<float>()[i * n + j]), j == 5) << i << "," << j;
+  }
 }
 
 // ---------------------------------------------------------------- bad input

@@ -195,7 +195,8 @@ void run_gemm(const GemmOperand& a, const GemmOperand& b, const Output& out) {
   const int64_t m = a.mn, n = b.mn, k = a.k;
   if (m == 0 || n == 0) return;
   const detail::GemmKernels& kern = detail::gemm_kernels(active_isa());
-  if (m <= detail::kGemmSmallM && a.k_major && b.k_major && k > 0) {
+  // (B groups must be whole lanes: the per-group sums of the small-M path are 8 lanes wide.)
+  if (m <= detail::kGemmSmallM && a.k_major && b.k_major && k > 0 && (!b.sf || b.gran_k % 8 == 0)) {
     const double bytes = static_cast<double>(n) * static_cast<double>(k);
     run_small_m(kern, a, b, out, bytes < 1e6 ? 1 : std::max(1, num_threads()));
     return;

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <array>
 #include <bit>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <utility>
@@ -15,6 +16,9 @@
 
 namespace moekit::detail {
 namespace {
+
+#include "gemm_decode.inc"
+#include "fused_avx2.inc"
 
 struct G {
   static constexpr int N = 8, MR = 6, NV = 2;

@@ -15,6 +15,8 @@
 namespace moekit::detail {
 namespace {
 
+#include "gemm_decode.inc"
+
 struct G {
   static constexpr int N = 4, MR = 4, NV = 2;
   struct F { float v[N]; };
@@ -42,6 +44,9 @@ struct G {
     for (int r = 0; r < N; ++r)
       for (int c = 0; c < N; ++c) dst[c * ldd + r] = src[r * lds + c];
   }
+  static constexpr bool kFusedSmallM = false;
+  template <class Raw, class Scale>
+  static void fused_dot(const GemmOperand&, int64_t, int, const float*, int64_t, int, float*, Raw, Scale) {}
   // No vector decoder: the exact tables do every element.
   static int64_t decode_scaled(DType, const uint8_t*, int64_t, int64_t, float, float*) { return 0; }
 };
