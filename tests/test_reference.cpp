@@ -197,6 +197,22 @@ TEST(Reference, GemmFp4OperandGranK32) {
                 {30});
 }
 
+// Different gran_k per operand: promotion over the common refinement of both groupings.
+// a = b = 1 everywhere, sfa = {2, 3} per 2 columns, sfb = {5} per 4: 2·(2·5) + 2·(3·5) = 50.
+TEST(Reference, GemmMixedGranK) {
+  expect_values(ref::gemm(Layout::nt, op(f32(1, 4, {1, 1, 1, 1}), f32(1, 2, {2, 3}), 1, 2),
+                          op(f32(1, 4, {1, 1, 1, 1}), f32(1, 1, {5}), 1, 4)),
+                {50});
+}
+
+// An odd FP4 extent: 3 values in 2 bytes (codes 2 = 1.0, 4 = 2.0, 6 = 4.0; the fourth
+// nibble is padding and must be ignored) against e4m3 {1, 1, 1} (0x38): 1 + 2 + 4 = 7.
+TEST(Reference, GemmOddPackedFp4Extent) {
+  ref::Operand b = op(fp4(1, 2, {0x42, 0x76}));
+  b.packed_extent = 3;
+  expect_values(ref::gemm(Layout::nt, op(e4m3(1, 3, {0x38, 0x38, 0x38})), b), {7});
+}
+
 TEST(Reference, GemmRejectsMismatchedK) {
   const Tensor a = f32(2, 3, kA);
   EXPECT_THROW(ref::gemm(Layout::nt, op(a), op(f32(2, 4, {1, 2, 3, 4, 5, 6, 7, 8}))), std::invalid_argument);
@@ -205,10 +221,10 @@ TEST(Reference, GemmRejectsMismatchedK) {
   // An e2m1x2 operand counts unpacked columns: 31 bytes = 62 values != 64.
   EXPECT_THROW(ref::gemm(Layout::nt, op(e4m3(1, 64, std::vector<uint8_t>(64, 0))), op(fp4(1, 31, std::vector<uint8_t>(31, 0)))),
                std::invalid_argument);
-  // Different gran_k for A and B scales.
-  const Tensor qa = e4m3(2, 4, kQa), qb = e4m3(2, 4, kQb);
-  EXPECT_THROW(ref::gemm(Layout::nt, op(qa, f32(2, 2, {1, 1, 1, 1}), 1, 2), op(qb, f32(1, 1, {1}), 128, 4)),
-               std::invalid_argument);
+  // A packed FP4 extent that does not fit its stored columns.
+  ref::Operand bad = op(fp4(1, 2, std::vector<uint8_t>(2, 0)));
+  bad.packed_extent = 5;
+  EXPECT_THROW(ref::gemm(Layout::nt, op(e4m3(1, 5, std::vector<uint8_t>(5, 0))), bad), std::invalid_argument);
   // 1-D operand.
   EXPECT_THROW(ref::gemm(Layout::nt, op(Tensor::zeros({3}, DType::f32)), op(f32(4, 3, kB))), std::invalid_argument);
 }

@@ -124,9 +124,16 @@ void bench_gemm(const BenchOptions& o) {
   if (!o.gemm_n.empty())
     std::erase_if(nk, [&](const auto& s) { return std::find(o.gemm_n.begin(), o.gemm_n.end(), s.first) == o.gemm_n.end(); });
 
-  enum class Kind { bf16, fp8, fp4 };
+  // Decode rows: M in {4, 16} on the largest weight (7168 x 16384: 117 M elements, far above
+  // L3); M = 1 is in the upstream list already.
+  std::vector<Shape3> problems;
   for (const int64_t m : ms)
-    for (const auto& [n, k] : nk) {
+    for (const auto& [n, k] : nk) problems.push_back({m, n, k});
+  if (!o.quick && o.gemm_m.empty() && o.gemm_n.empty())
+    for (const int64_t m : {4, 16}) problems.push_back({m, 7168, 16384});
+
+  enum class Kind { bf16, fp8, fp4 };
+  for (const auto& [m, n, k] : problems) {
       const Tensor xa = random_bf16(m, k, 1), xb = random_bf16(n, k, 2);
       const Tensor fa = dnnl_bf16 ? Tensor() : to_f32(xa), fb = dnnl_bf16 ? Tensor() : to_f32(xb);
       const Tensor d = Tensor::zeros({m, n}, DType::bf16), dpeer = Tensor::zeros({m, n}, DType::f32);
@@ -178,9 +185,15 @@ void bench_gemm(const BenchOptions& o) {
         // written (D) against the read bandwidth; otherwise TFLOPS against bf16 dot peak.
         const double b_bytes = static_cast<double>(n * k) * (kind == Kind::bf16 ? 2.0 : kind == Kind::fp8 ? 1.0 : 0.5);
         if (m <= 16) {
-          row.gbps = (b_bytes + static_cast<double>(m * k) * 2.0 + static_cast<double>(m * n) * 2.0) / (row.time.median_us * 1e3);
+          const double bytes = b_bytes + static_cast<double>(m * k) * 2.0 + static_cast<double>(m * n) * 2.0;
+          row.gbps = bytes / (row.time.median_us * 1e3);
           row.ceiling = "read_bw";
           row.notes["tflops"] = fmt::format("{:.4f}", flops / (row.time.median_us * 1e6));
+          // Which ceiling binds (on AVX2, M = 16 and even M = 4 are compute-bound), and the
+          // time against the roofline max(bytes / read_bw, flops / bf16_flops).
+          const double t_mem = bytes / (read_bw * 1e9), t_flop = flops / (bf16_flops * 1e12);
+          row.notes["bound"] = t_mem >= t_flop ? "memory" : "compute";
+          row.notes["pct_of_roofline"] = fmt::format("{:.1f}", 100.0 * std::max(t_mem, t_flop) / (row.time.median_us * 1e-6));
         } else {
           row.tflops = flops / (row.time.median_us * 1e6);
           row.ceiling = "bf16_flops";
