@@ -131,11 +131,68 @@ int64_t column_block(int64_t rows, int64_t cols, int nr) {
   return ceil_div(ceil_div(cols, ceil_div(cols, cap)), nr) * nr;
 }
 
+// Every tile of one row block x column block x K block: micro-panels of B (kept in L1)
+// sweep micro-panels of A (L2). Partial sums live tile-contiguous (panel-major, row stride
+// nr) so the sweep walks memory linearly; the buffer is larger than the caches, so the
+// next tile's sums are requested while this one computes.
+void sweep(const detail::GemmKernels& kern, const float* pa, const float* pb, int64_t mc, int64_t nc, int64_t kc,
+           float* acc, int64_t panel_stride, bool accumulate) {
+  for (int64_t jr = 0; jr < nc; jr += kern.nr) {
+    const int cols = static_cast<int>(std::min<int64_t>(kern.nr, nc - jr));
+    const float* bp = pb + (jr / kern.nr) * kc * kern.nr;
+    for (int64_t ir = 0; ir < mc; ir += kern.mr) {
+      const int r = static_cast<int>(std::min<int64_t>(kern.mr, mc - ir));
+      float* c_tile = acc + (jr / kern.nr) * panel_stride + ir * kern.nr;
+      const char* next = reinterpret_cast<const char*>(c_tile + 2 * kern.mr * kern.nr);
+      for (int64_t byte = 0; byte < kern.mr * kern.nr * 4; byte += 64) __builtin_prefetch(next + byte, 1);
+      kern.tile(kc, pa + (ir / kern.mr) * kc * kern.mr, bp, c_tile, kern.nr, r, cols, accumulate);
+    }
+  }
+}
+
+// Bytes of packed B a narrow item keeps for a whole column block (all of K).
+constexpr int64_t kNarrowBBytes = int64_t{4} << 20;
+
+// An item of at most kMc rows: A is packed once for all of K; each column block of B is
+// packed for all of K a micro-panel at a time, reading each B row front to back (a K-major
+// weight read in 256-wide slices across thousands of rows would touch a new page per row).
+void run_narrow_item(const detail::GemmKernels& kern, const GemmOperand& a, const GemmOperand& b, const Output& out,
+                     int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+  const int64_t k = a.k, rows = m1 - m0, blocks = std::max<int64_t>(1, ceil_div(k, kGemmKc));
+  const int64_t mc_pad = ceil_div(rows, kern.mr) * kern.mr;
+  const int64_t nc_cap = std::max<int64_t>(kern.nr, kNarrowBBytes / (4 * blocks * kGemmKc) / kern.nr * kern.nr);
+  const int64_t nc_max = std::min(column_block(rows, n1 - n0, kern.nr), nc_cap);
+  const int64_t nc_pad = ceil_div(nc_max, kern.nr) * kern.nr;
+  ThreadBuffers& buf = thread_buffers();
+  float* pa = buf.a.get(static_cast<size_t>(mc_pad * kGemmKc * blocks));
+  float* pb = buf.b.get(static_cast<size_t>(nc_pad * kGemmKc * blocks));
+  const int64_t panel_stride = rows * kern.nr;
+  float* acc = buf.acc.get(static_cast<size_t>(rows * nc_pad));
+  for (int64_t pc = 0; pc < k; pc += kGemmKc)
+    kern.pack(a, m0, rows, pc, std::min(kGemmKc, k - pc), kern.mr, pa + (pc / kGemmKc) * mc_pad * kGemmKc,
+              detail::PackNext::next_rows);
+  for (int64_t jc = n0; jc < n1; jc += nc_max) {
+    const int64_t nc = std::min(nc_max, n1 - jc);
+    if (k == 0) std::fill(acc, acc + rows * nc_pad, 0.0f);
+    for (int64_t p0 = 0; p0 < nc; p0 += kern.nr)
+      for (int64_t pc = 0; pc < k; pc += kGemmKc) {
+        const int64_t kc = std::min(kGemmKc, k - pc);
+        kern.pack(b, jc + p0, std::min<int64_t>(kern.nr, nc - p0), pc, kc, kern.nr,
+                  pb + (pc / kGemmKc) * nc_pad * kGemmKc + (p0 / kern.nr) * kc * kern.nr, detail::PackNext::next_k);
+      }
+    for (int64_t pc = 0; pc < k; pc += kGemmKc)
+      sweep(kern, pa + (pc / kGemmKc) * mc_pad * kGemmKc, pb + (pc / kGemmKc) * nc_pad * kGemmKc, rows, nc,
+            std::min(kGemmKc, k - pc), acc, panel_stride, pc > 0);
+    write_block(out, {acc, kern.nr, panel_stride}, m0, m1, jc, nc);
+  }
+}
+
 void run_item(const detail::GemmKernels& kern, const GemmOperand& a, const GemmOperand& b, const Output& out,
               int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
   const int64_t k = a.k;
   const int64_t rows = m1 - m0;
   if (rows <= 0 || n1 <= n0) return;
+  if (rows <= kMc) return run_narrow_item(kern, a, b, out, m0, m1, n0, n1);
   const int64_t nc_max = column_block(rows, n1 - n0, kern.nr);
   ThreadBuffers& buf = thread_buffers();
   const int64_t mc_max = std::min<int64_t>(kMc, ceil_div(rows, kern.mr) * kern.mr);
@@ -148,24 +205,11 @@ void run_item(const detail::GemmKernels& kern, const GemmOperand& a, const GemmO
     if (k == 0) std::fill(acc, acc + rows * ceil_div(nc_max, kern.nr) * kern.nr, 0.0f);
     for (int64_t pc = 0; pc < k; pc += kGemmKc) {
       const int64_t kc = std::min(kGemmKc, k - pc);
-      kern.pack(b, jc, nc, pc, kc, kern.nr, pb);
+      kern.pack(b, jc, nc, pc, kc, kern.nr, pb, detail::PackNext::next_rows);
       for (int64_t ic = m0; ic < m1; ic += kMc) {
         const int64_t mc = std::min(kMc, m1 - ic);
-        kern.pack(a, ic, mc, pc, kc, kern.mr, pa);
-        for (int64_t jr = 0; jr < nc; jr += kern.nr) {
-          const int cols = static_cast<int>(std::min<int64_t>(kern.nr, nc - jr));
-          const float* bp = pb + (jr / kern.nr) * kc * kern.nr;
-          for (int64_t ir = 0; ir < mc; ir += kern.mr) {
-            const int r = static_cast<int>(std::min<int64_t>(kern.mr, mc - ir));
-            // Sums live tile-contiguous (panel-major, row stride nr): the sweep over ir
-            // walks memory linearly instead of touching a new page per row. The buffer is
-            // larger than the caches, so the next tile's sums are requested now.
-            float* c_tile = acc + (jr / kern.nr) * panel_stride + (ic - m0 + ir) * kern.nr;
-            const char* next = reinterpret_cast<const char*>(c_tile + 2 * kern.mr * kern.nr);
-            for (int64_t b = 0; b < kern.mr * kern.nr * 4; b += 64) __builtin_prefetch(next + b, 1);
-            kern.tile(kc, pa + (ir / kern.mr) * kc * kern.mr, bp, c_tile, kern.nr, r, cols, pc > 0);
-          }
-        }
+        kern.pack(a, ic, mc, pc, kc, kern.mr, pa, detail::PackNext::next_rows);
+        sweep(kern, pa, pb, mc, nc, kc, acc + (ic - m0) * kern.nr, panel_stride, pc > 0);
       }
     }
     write_block(out, {acc, kern.nr, panel_stride}, m0, m1, jc, nc);

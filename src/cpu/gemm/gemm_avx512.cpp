@@ -33,6 +33,7 @@ struct G {
   using F8 = __m256;
   static F8 load8(const float* p) { return _mm256_loadu_ps(p); }
   static void store8(float* p, F8 x) { _mm256_storeu_ps(p, x); }
+  static F8 bcast8(float x) { return _mm256_set1_ps(x); }
   static F8 fma8(F8 a, F8 b, F8 c) { return _mm256_fmadd_ps(a, b, c); }
   // ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)), as the portable target.
   static float reduce8(const float* l) {

@@ -28,6 +28,8 @@ struct GemmOperand {
   int64_t gran_mn = 1, gran_k = 128;
 };
 
+enum class PackNext : uint8_t { next_rows, next_k };
+
 // The K block every ISA uses. Fixed (not tuned per ISA) because the f32 sums are rounded
 // once per block: the same block on every path is what makes them bit-identical.
 inline constexpr int64_t kGemmKc = 256;
@@ -36,9 +38,11 @@ struct GemmKernels {
   int mr = 0, nr = 0;  // register tile
   // Packs operand rows [mn0, mn0 + count) x columns [k0, k0 + kc) as f32 micro-panels of
   // `width` rows: panel p holds, for each kk, `width` consecutive values (zero-padded past
-  // count). Values are decoded and multiplied by their scale.
+  // count). Values are decoded and multiplied by their scale. `next` says what the caller
+  // packs next, so that K-major sources can be prefetched: the following rows at the same
+  // K (next_rows) or the same rows further along K (next_k).
   void (*pack)(const GemmOperand& op, int64_t mn0, int64_t count, int64_t k0, int64_t kc, int width,
-               float* out);
+               float* out, PackNext next);
   // c[i, j] (+)= Σ_kk a[kk, i] · b[kk, j] for i < rows (≤ mr), j < cols (≤ nr), on
   // micro-panels a (stride mr) and b (stride nr); c has row stride ldc. accumulate = false
   // overwrites c. FMAs in kk order from the loaded (or zero) value of c.
@@ -49,7 +53,9 @@ struct GemmKernels {
   void (*small_m)(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t n1, float* out, int64_t ld_out);
 };
 
-inline constexpr int64_t kGemmSmallM = 16;
+// Up to this many rows of A (both operands K-major) take the small-M path; beyond it B is
+// packed once and reused by enough rows to pay for the packing.
+inline constexpr int64_t kGemmSmallM = 4;
 
 const GemmKernels& gemm_kernels_scalar();
 const GemmKernels& gemm_kernels_avx2();
