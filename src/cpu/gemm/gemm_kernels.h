@@ -30,8 +30,9 @@ struct GemmOperand {
 
 enum class PackNext : uint8_t { next_rows, next_k };
 
-// The K block every ISA uses. Fixed (not tuned per ISA) because the f32 sums are rounded
-// once per block: the same block on every path is what makes them bit-identical.
+// The K block of the large-M path (B micro-panel 256 x nr f32 stays in L1). Partial sums
+// are kept in f32 between blocks and reloaded exactly, so the block size does not change
+// results: every element is one FMA chain in K order on every path.
 inline constexpr int64_t kGemmKc = 256;
 
 struct GemmKernels {
