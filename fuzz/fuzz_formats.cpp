@@ -13,6 +13,7 @@
 
 #include "moekit/moekit.h"
 #include "reference.h"
+#include "smoke_driver.h"
 
 namespace {
 
@@ -114,16 +115,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
 // Smoke driver: deterministic pseudo-random inputs (argv[1] = iterations).
 int main(int argc, char** argv) {
   const long iterations = argc > 1 ? std::strtol(argv[1], nullptr, 10) : 2000;
-  uint64_t state = 0x9e3779b97f4a7c15ull;
-  std::vector<uint8_t> buf(4096);
-  for (long i = 0; i < iterations; ++i) {
-    const size_t len = 16 + static_cast<size_t>(i % 4000);
-    for (size_t j = 0; j < len; ++j) {
-      state = state * 6364136223846793005ull + 1442695040888963407ull;
-      buf[j] = static_cast<uint8_t>(state >> 56);
-    }
-    LLVMFuzzerTestOneInput(buf.data(), len);
-  }
+  moekit::fuzzing::run_smoke(iterations, 0x9e3779b97f4a7c15ull, 16, 1, 4000);
   return 0;
 }
 #endif

@@ -16,6 +16,7 @@
 
 #include "moekit/moekit.h"
 #include "reference.h"
+#include "smoke_driver.h"
 
 namespace {
 
@@ -182,16 +183,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
 // Smoke driver: deterministic pseudo-random inputs (argv[1] = iterations).
 int main(int argc, char** argv) {
   const long iterations = argc > 1 ? std::strtol(argv[1], nullptr, 10) : 500;
-  uint64_t state = 0x2545f4914f6cdd1dull;
-  std::vector<uint8_t> buf(1 << 16);
-  for (long i = 0; i < iterations; ++i) {
-    const size_t len = 64 + static_cast<size_t>(i * 7919 % 60000);
-    for (size_t j = 0; j < len; ++j) {
-      state = state * 6364136223846793005ull + 1442695040888963407ull;
-      buf[j] = static_cast<uint8_t>(state >> 56);
-    }
-    LLVMFuzzerTestOneInput(buf.data(), len);
-  }
+  moekit::fuzzing::run_smoke(iterations, 0x2545f4914f6cdd1dull, 64, 7919, 60000);
   std::printf("fuzz_gemm: %ld inputs computed and checked, %ld rejected with moekit::Error\n", g_accepted, g_rejected);
   // A smoke run that only ever exercised the argument checks would test nothing.
   return g_accepted * 4 >= iterations ? 0 : 1;

@@ -204,6 +204,16 @@ std::vector<double> check_case(const Case& cs, uint64_t seed) {
   return got;
 }
 
+// check_case under every supported ISA; all paths must give the same bits.
+void check_case_on_every_isa(const Case& cs, uint64_t seed) {
+  std::vector<double> first;
+  for_each_isa([&](Isa) {
+    const std::vector<double> got = check_case(cs, seed);
+    if (first.empty()) first = got;
+    else EXPECT_EQ(0, std::memcmp(first.data(), got.data(), got.size() * sizeof(double))) << cs.str();
+  });
+}
+
 const Layout kLayouts[] = {Layout::nt, Layout::nn, Layout::tn, Layout::tt};
 
 struct FmtPair {
@@ -223,14 +233,7 @@ TEST(Gemm, AllCombinationsMatchOracleAndAgreeAcrossIsas) {
         for (CMode cm : {CMode::none, CMode::separate, CMode::in_place})
           for (bool ue8m0 : {false, true}) {
             if (p.a == Fmt::bf16 && ue8m0) continue;  // no scales to encode
-            Case cs{layout, p.a, p.b, 7, 18, 300, out, cm, ue8m0};
-            std::vector<double> first;
-            for_each_isa([&](Isa) {
-              const std::vector<double> got = check_case(cs, seed);
-              if (first.empty()) first = got;
-              else EXPECT_EQ(0, std::memcmp(first.data(), got.data(), got.size() * sizeof(double))) << cs.str();
-            });
-            ++seed;
+            check_case_on_every_isa({layout, p.a, p.b, 7, 18, 300, out, cm, ue8m0}, seed++);
           }
 }
 
@@ -242,15 +245,8 @@ TEST(Gemm, SmallMFusedPathAgreesAcrossIsas) {
   for (int64_t m : {1, 2})
     for (const FmtPair& p : kPairs)
       for (int64_t k : {40, 300, 1000}) {
-        Case cs{Layout::nt, p.a, p.b, m, 23, k, DType::f32, CMode::none, (k & 1) == 0};
-        if (p.a == Fmt::bf16) cs.ue8m0 = false;
-        std::vector<double> first;
-        for_each_isa([&](Isa) {
-          const std::vector<double> got = check_case(cs, seed);
-          if (first.empty()) first = got;
-          else EXPECT_EQ(0, std::memcmp(first.data(), got.data(), got.size() * sizeof(double))) << cs.str();
-        });
-        ++seed;
+        check_case_on_every_isa({Layout::nt, p.a, p.b, m, 23, k, DType::f32, CMode::none, p.a != Fmt::bf16 && (k & 1) == 0},
+                                seed++);
       }
 }
 

@@ -4,9 +4,24 @@
 
 #include <algorithm>
 #include <chrono>
+#include <random>
+
+#include "moekit/formats.h"
 #include <nlohmann/json.hpp>
 
 namespace moekit::tools {
+
+Tensor random_bf16(int64_t rows, int64_t cols, uint64_t seed, bool row_spread) {
+  Tensor t = Tensor::empty({rows, cols}, DType::bf16);
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    std::mt19937_64 rng(seed * 1000003 + static_cast<uint64_t>(r));
+    std::normal_distribution<float> dist(0.0f, row_spread ? 1.0f + static_cast<float>(r % 7) : 1.0f);
+    auto* row = t.data_ptr<uint16_t>() + r * cols;
+    for (int64_t c = 0; c < cols; ++c) row[c] = f32_to_bf16(dist(rng));
+  }
+  return t;
+}
 
 Timing time_it(const std::function<void()>& fn, int repeats, int warmup) {
   for (int i = 0; i < warmup; ++i) fn();

@@ -8,12 +8,18 @@
 #include <utility>
 #include <vector>
 
+#include "moekit/tensor.h"
+
 namespace moekit::tools {
 
 struct Timing {
   double median_us = 0, min_us = 0;
   int runs = 0;
 };
+
+// Deterministic pseudo-normal bf16 data (parallel fill); row_spread scales row r by 1 + r % 7
+// (a per-row magnitude spread, like activations).
+Tensor random_bf16(int64_t rows, int64_t cols, uint64_t seed, bool row_spread = false);
 
 // Warm-up runs, then `repeats` timed runs (median and min).
 Timing time_it(const std::function<void()>& fn, int repeats = 10, int warmup = 1);

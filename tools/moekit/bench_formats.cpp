@@ -19,19 +19,6 @@ namespace moekit::tools {
 
 namespace {
 
-// Deterministic pseudo-normal bf16 data with a per-row magnitude spread (like activations).
-Tensor random_bf16(int64_t rows, int64_t cols, uint64_t seed) {
-  Tensor t = Tensor::empty({rows, cols}, DType::bf16);
-#pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < rows; ++r) {
-    std::mt19937_64 rng(seed * 1000003 + static_cast<uint64_t>(r));
-    std::normal_distribution<float> dist(0.0f, 1.0f + static_cast<float>(r % 7));
-    auto* row = t.data_ptr<uint16_t>() + r * cols;
-    for (int64_t c = 0; c < cols; ++c) row[c] = f32_to_bf16(dist(rng));
-  }
-  return t;
-}
-
 Tensor prefaulted(const Shape& shape, DType dtype) { return Tensor::zeros(shape, dtype); }
 
 bool same_bytes(const Tensor& a, const Tensor& b, int64_t rows) {
@@ -60,7 +47,7 @@ void bench_formats(const BenchOptions& o) {
   auto remeasure = [&] { read_bw = std::max(read_bw, measure_read_bandwidth(int64_t{512} << 20, o.quick ? 2 : 3) / 1e9); };
   std::vector<Row> rows_out;
 
-  const Tensor x = random_bf16(rows, cols, 1);
+  const Tensor x = random_bf16(rows, cols, 1, true);
   const CastCase cases[] = {{"per_token_cast_to_fp8", false, false, 128},
                             {"per_token_cast_to_fp8", false, true, 128},
                             {"per_block_cast_to_fp8", false, false, 128},
@@ -112,8 +99,8 @@ void bench_formats(const BenchOptions& o) {
   // Dequantisation: fp8 / fp4 values (+ scales) to bf16.
   for (const bool fp4 : {false, true}) {
     const int64_t k = 2 * cols, gran = fp4 ? 32 : 128;
-    const Quantized qz = fp4 ? per_token_cast_to_fp4(random_bf16(rows, k, 2), false, gran)
-                             : per_token_cast_to_fp8(random_bf16(rows, k, 2), false, gran);
+    const Quantized qz = fp4 ? per_token_cast_to_fp4(random_bf16(rows, k, 2, true), false, gran)
+                             : per_token_cast_to_fp8(random_bf16(rows, k, 2, true), false, gran);
     const Tensor out = prefaulted({rows, k}, DType::bf16);
     auto run = [&] {
       if (fp4) cast_back_from_fp4_into(qz.values, qz.sf, out, 1, gran);

@@ -30,18 +30,6 @@ namespace moekit::tools {
 
 namespace {
 
-Tensor random_bf16(int64_t rows, int64_t cols, uint64_t seed) {
-  Tensor t = Tensor::empty({rows, cols}, DType::bf16);
-#pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < rows; ++r) {
-    std::mt19937_64 rng(seed * 1000003 + static_cast<uint64_t>(r));
-    std::normal_distribution<float> dist(0.0f, 1.0f);
-    auto* row = t.data_ptr<uint16_t>() + r * cols;
-    for (int64_t c = 0; c < cols; ++c) row[c] = f32_to_bf16(dist(rng));
-  }
-  return t;
-}
-
 Tensor to_f32(const Tensor& x) {
   Tensor out = Tensor::empty(x.shape(), DType::f32);
   convert(x, out);
