@@ -245,7 +245,6 @@ void run_gemm(const GemmOperand& a, const GemmOperand& b, const Output& out) {
     run_small_m(kern, a, b, out, bytes < 1e6 ? 1 : std::max(1, num_threads()));
     return;
   }
-  (void)k;
   // Threads: enough work per thread to pay for the fork.
   const double flops = 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(std::max<int64_t>(k, 1));
   const int threads = flops < 4e6 ? 1 : std::max(1, num_threads());
