@@ -237,12 +237,12 @@ TEST(Gemm, AllCombinationsMatchOracleAndAgreeAcrossIsas) {
           }
 }
 
-// One and two rows take the targets' fused decode path (B decoded straight into registers):
+// One to four rows take the targets' fused decode path (B decoded straight into registers):
 // it must agree bit for bit with the portable path, over several K groups, partial groups
 // and a K tail, for every B format.
 TEST(Gemm, SmallMFusedPathAgreesAcrossIsas) {
   uint64_t seed = 500;
-  for (int64_t m : {1, 2})
+  for (int64_t m : {1, 2, 3, 4})
     for (const FmtPair& p : kPairs)
       for (int64_t k : {40, 300, 1000}) {
         check_case_on_every_isa({Layout::nt, p.a, p.b, m, 23, k, DType::f32, CMode::none, p.a != Fmt::bf16 && (k & 1) == 0},
