@@ -79,3 +79,39 @@ Tensor transform_sf_into_required_layout(const Tensor& sf, int64_t mn, int64_t k
                                          std::optional<int64_t> num_groups, bool is_sfa);
 
 }  // namespace moekit
+
+// ---- MoE grouped GEMMs (gemm.md "MoE grouped GEMMs") ----
+namespace moekit {
+
+// Row alignment of each group's segment in the contiguous layouts. Default 128 (upstream's
+// value, so layouts built for DeepGEMM work unchanged); any positive value may be set.
+int64_t get_mk_alignment_for_contiguous_layout();
+void set_mk_alignment_for_contiguous_layout(int64_t alignment);
+
+// A [M_total, K] (rows of all experts back to back), B [G, N, K] (nt) or [G, K, N] (nn),
+// D [M_total, N]. grouped_layout int32: per row the group index, -1 for padding rows (each
+// group's segment starts at a multiple of the alignment); or, with use_psum_layout, [G]
+// cumulative actual end rows, group j starting at align(psum[j-1]). Rows of no group are
+// never computed: their D rows are left as they were.
+void m_grouped_bf16_gemm_nt_contiguous(const Tensor& a, const Tensor& b, const Tensor& d, const Tensor& grouped_layout,
+                                       bool use_psum_layout = false);
+void m_grouped_bf16_gemm_nn_contiguous(const Tensor& a, const Tensor& b, const Tensor& d, const Tensor& grouped_layout,
+                                       bool use_psum_layout = false);
+// FP8 (or FP4 weights): a.sf [M_total, groups] (gran_m 1), b.sf [G, ...] per group as in
+// the dense fp8_fp4_gemm_* (recipes likewise).
+void m_grouped_fp8_gemm_nt_contiguous(const Quantized& a, const Quantized& b, const Tensor& d,
+                                      const Tensor& grouped_layout, bool use_psum_layout = false,
+                                      const GemmOptions& options = {});
+void m_grouped_fp8_gemm_nn_contiguous(const Quantized& a, const Quantized& b, const Tensor& d,
+                                      const Tensor& grouped_layout, bool use_psum_layout = false,
+                                      const GemmOptions& options = {});
+
+// A [G, max_m, K], B [G, N, K], D [G, max_m, N]: group g computes its first masked_m[g]
+// rows (int32 [G], each in [0, max_m]); the other rows of D are left as they were.
+// expected_m is upstream's scheduling hint (checked, otherwise unused on the CPU).
+void m_grouped_bf16_gemm_nt_masked(const Tensor& a, const Tensor& b, const Tensor& d, const Tensor& masked_m,
+                                   int64_t expected_m);
+void m_grouped_fp8_gemm_nt_masked(const Quantized& a, const Quantized& b, const Tensor& d, const Tensor& masked_m,
+                                  int64_t expected_m, const GemmOptions& options = {});
+
+}  // namespace moekit

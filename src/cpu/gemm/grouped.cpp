@@ -1,0 +1,221 @@
+// MoE grouped GEMMs on top of the dense GEMM: each group's rows are one dense problem
+// (a row-slice of A and D against that group's B), run with all threads, so the work is
+// balanced by actual rows whatever the group sizes, and results are those of the dense GEMM
+// (bit-identical for any thread count). Rows that belong to no group are never touched.
+#include <atomic>
+#include <string>
+#include <vector>
+
+#include "core/check.h"
+#include "moekit/error.h"
+#include "moekit/gemm.h"
+
+namespace moekit {
+namespace {
+
+using detail::ceil_div;
+using detail::fail;
+
+std::atomic<int64_t> g_alignment{128};
+
+// One group's rows [r0, r1) of A / D (contiguous) or of group g's slab (masked).
+struct Run {
+  int64_t group, r0, r1;
+};
+
+// Re-raises an error of the dense call under the grouped function's name, with the group.
+template <class Fn>
+void call_dense(const char* fn, int64_t group, Fn&& dense) {
+  try {
+    dense();
+  } catch (const Error& e) {
+    fail(fn, e.argument() + " (group " + std::to_string(group) + ")", e.expected(), e.actual());
+  }
+}
+
+void check_weights(const char* fn, const char* arg, const Tensor& b, std::initializer_list<DType> dtypes) {
+  detail::check_cpu(fn, arg, b);
+  detail::check_dtype(fn, arg, b, dtypes);
+  detail::check_rank(fn, arg, b, 3);
+  if (b.size(0) > 0 && b.stride(2) != 1) fail(fn, arg, "a unit-stride last dimension", shape_str(b.strides()));
+}
+
+const int32_t* check_layout(const char* fn, const char* arg, const Tensor& t, int64_t size) {
+  detail::check_cpu(fn, arg, t);
+  detail::check_dtype(fn, arg, t, {DType::i32});
+  detail::check_rank(fn, arg, t, 1);
+  if (t.size(0) != size) fail(fn, arg, std::to_string(size) + " entries", std::to_string(t.size(0)));
+  if (t.stride(0) != 1 && size > 1) fail(fn, arg, "a contiguous tensor", shape_str(t.strides()));
+  return t.data_ptr<int32_t>();
+}
+
+// The groups' row runs of a contiguous layout, validated.
+std::vector<Run> contiguous_runs(const char* fn, const Tensor& layout, int64_t m_total, int64_t groups, bool psum) {
+  const int64_t align = g_alignment.load();
+  std::vector<Run> runs;
+  if (!psum) {
+    const int32_t* g = check_layout(fn, "grouped_layout", layout, m_total);
+    for (int64_t r = 0; r < m_total;) {
+      const int64_t group = g[r];
+      if (group < -1 || group >= groups)
+        fail(fn, "grouped_layout", "group indices in [-1, " + std::to_string(groups) + ")",
+             std::to_string(group) + " at row " + std::to_string(r));
+      int64_t end = r + 1;
+      while (end < m_total && g[end] == group) ++end;
+      if (group >= 0) {
+        if (r % align != 0)
+          fail(fn, "grouped_layout",
+               "each group's segment to start at a multiple of the alignment " + std::to_string(align),
+               "group " + std::to_string(group) + " starting at row " + std::to_string(r));
+        runs.push_back({group, r, end});
+      }
+      r = end;
+    }
+    return runs;
+  }
+  const int32_t* ends = check_layout(fn, "grouped_layout", layout, groups);
+  int64_t previous = 0;
+  for (int64_t j = 0; j < groups; ++j) {
+    const int64_t end = ends[j];
+    if (end < previous || end > m_total)
+      fail(fn, "grouped_layout", "non-decreasing cumulative row ends within [0, " + std::to_string(m_total) + "]",
+           std::to_string(end) + " for group " + std::to_string(j) + " after " + std::to_string(previous));
+    const int64_t start = ceil_div(previous, align) * align;
+    if (end > start) runs.push_back({j, start, end});
+    previous = end;
+  }
+  return runs;
+}
+
+void check_output(const char* fn, const Tensor& d, const Shape& shape) {
+  detail::check_cpu(fn, "d", d);
+  detail::check_dtype(fn, "d", d, {DType::bf16, DType::f32});
+  detail::check_shape(fn, "d", d, shape);
+  if (d.numel() > 0 && d.stride(-1) != 1) fail(fn, "d", "a unit-stride last dimension", shape_str(d.strides()));
+}
+
+void check_gran_m(const char* fn, const GemmOptions& o) {
+  const int64_t gran_m = o.recipe_a ? o.recipe_a->gran_mn : o.recipe ? o.recipe->gran_m : 1;
+  if (gran_m != 1) fail(fn, "recipe", "gran_m = 1 (per-row activation scales)", std::to_string(gran_m));
+}
+
+using DenseBf16 = void (*)(const Tensor&, const Tensor&, const Tensor&, const Tensor&);
+using DenseFp8 = void (*)(const Quantized&, const Quantized&, const Tensor&, const Tensor&, const GemmOptions&);
+
+void bf16_contiguous(const char* fn, DenseBf16 dense, const Tensor& a, const Tensor& b, const Tensor& d,
+                     const Tensor& layout, bool psum) {
+  detail::check_cpu_matrix(fn, "a", a, {DType::bf16});
+  check_weights(fn, "b", b, {DType::bf16});
+  const int64_t m = a.size(0);
+  const int64_t n = dense == &bf16_gemm_nt ? b.size(1) : b.size(2);
+  check_output(fn, d, {m, n});
+  for (const Run& r : contiguous_runs(fn, layout, m, b.size(0), psum))
+    call_dense(fn, r.group, [&] { dense(a.slice(0, r.r0, r.r1), b.select(0, r.group), d.slice(0, r.r0, r.r1), Tensor()); });
+}
+
+void fp8_contiguous(const char* fn, DenseFp8 dense, const Quantized& a, const Quantized& b, const Tensor& d,
+                    const Tensor& layout, bool psum, const GemmOptions& o) {
+  detail::check_cpu_matrix(fn, "a.values", a.values, {DType::e4m3, DType::e2m1x2});
+  detail::check_cpu_matrix(fn, "a.sf", a.sf, {DType::f32, DType::i32});
+  check_weights(fn, "b.values", b.values, {DType::e4m3, DType::e2m1x2});
+  check_weights(fn, "b.sf", b.sf, {DType::f32, DType::i32});
+  check_gran_m(fn, o);
+  const int64_t m = a.values.size(0), groups = b.values.size(0);
+  if (a.sf.size(0) != m) fail(fn, "a.sf", std::to_string(m) + " rows (one per row of a)", shape_str(a.sf.shape()));
+  if (b.sf.size(0) != groups) fail(fn, "b.sf", std::to_string(groups) + " groups", shape_str(b.sf.shape()));
+  const bool nt = dense == &fp8_fp4_gemm_nt;
+  const int64_t n = nt ? b.values.size(1) : (b.values.dtype() == DType::e2m1x2 ? 2 : 1) * b.values.size(2);
+  check_output(fn, d, {m, n});
+  for (const Run& r : contiguous_runs(fn, layout, m, groups, psum))
+    call_dense(fn, r.group, [&] {
+      dense({a.values.slice(0, r.r0, r.r1), a.sf.slice(0, r.r0, r.r1)},
+            {b.values.select(0, r.group), b.sf.select(0, r.group)}, d.slice(0, r.r0, r.r1), Tensor(), o);
+    });
+}
+
+// The masked runs: group g's first masked_m[g] rows.
+std::vector<Run> masked_runs(const char* fn, const Tensor& masked_m, int64_t groups, int64_t max_m, int64_t expected_m) {
+  if (expected_m < 0) fail(fn, "expected_m", ">= 0", std::to_string(expected_m));
+  const int32_t* mm = check_layout(fn, "masked_m", masked_m, groups);
+  std::vector<Run> runs;
+  for (int64_t g = 0; g < groups; ++g) {
+    if (mm[g] < 0 || mm[g] > max_m)
+      fail(fn, "masked_m", "values in [0, max_m = " + std::to_string(max_m) + "]",
+           std::to_string(mm[g]) + " for group " + std::to_string(g));
+    if (mm[g] > 0) runs.push_back({g, 0, mm[g]});
+  }
+  return runs;
+}
+
+void check_slab(const char* fn, const char* arg, const Tensor& t, std::initializer_list<DType> dtypes, int64_t groups) {
+  check_weights(fn, arg, t, dtypes);
+  if (t.size(0) != groups) fail(fn, arg, std::to_string(groups) + " groups", shape_str(t.shape()));
+}
+
+}  // namespace
+
+int64_t get_mk_alignment_for_contiguous_layout() { return g_alignment.load(); }
+
+void set_mk_alignment_for_contiguous_layout(int64_t alignment) {
+  if (alignment <= 0) fail("set_mk_alignment_for_contiguous_layout", "alignment", "> 0", std::to_string(alignment));
+  g_alignment.store(alignment);
+}
+
+void m_grouped_bf16_gemm_nt_contiguous(const Tensor& a, const Tensor& b, const Tensor& d, const Tensor& grouped_layout,
+                                       bool use_psum_layout) {
+  bf16_contiguous("m_grouped_bf16_gemm_nt_contiguous", &bf16_gemm_nt, a, b, d, grouped_layout, use_psum_layout);
+}
+void m_grouped_bf16_gemm_nn_contiguous(const Tensor& a, const Tensor& b, const Tensor& d, const Tensor& grouped_layout,
+                                       bool use_psum_layout) {
+  bf16_contiguous("m_grouped_bf16_gemm_nn_contiguous", &bf16_gemm_nn, a, b, d, grouped_layout, use_psum_layout);
+}
+void m_grouped_fp8_gemm_nt_contiguous(const Quantized& a, const Quantized& b, const Tensor& d,
+                                      const Tensor& grouped_layout, bool use_psum_layout, const GemmOptions& options) {
+  fp8_contiguous("m_grouped_fp8_gemm_nt_contiguous", &fp8_fp4_gemm_nt, a, b, d, grouped_layout, use_psum_layout,
+                 options);
+}
+void m_grouped_fp8_gemm_nn_contiguous(const Quantized& a, const Quantized& b, const Tensor& d,
+                                      const Tensor& grouped_layout, bool use_psum_layout, const GemmOptions& options) {
+  fp8_contiguous("m_grouped_fp8_gemm_nn_contiguous", &fp8_fp4_gemm_nn, a, b, d, grouped_layout, use_psum_layout,
+                 options);
+}
+
+void m_grouped_bf16_gemm_nt_masked(const Tensor& a, const Tensor& b, const Tensor& d, const Tensor& masked_m,
+                                   int64_t expected_m) {
+  constexpr const char* fn = "m_grouped_bf16_gemm_nt_masked";
+  check_weights(fn, "a", a, {DType::bf16});
+  const int64_t groups = a.size(0), max_m = a.size(1);
+  check_slab(fn, "b", b, {DType::bf16}, groups);
+  detail::check_cpu(fn, "d", d);
+  detail::check_dtype(fn, "d", d, {DType::bf16, DType::f32});
+  detail::check_shape(fn, "d", d, {groups, max_m, b.size(1)});
+  if (d.numel() > 0 && d.stride(2) != 1) fail(fn, "d", "a unit-stride last dimension", shape_str(d.strides()));
+  for (const Run& r : masked_runs(fn, masked_m, groups, max_m, expected_m))
+    call_dense(fn, r.group, [&] {
+      bf16_gemm_nt(a.select(0, r.group).slice(0, 0, r.r1), b.select(0, r.group),
+                   d.select(0, r.group).slice(0, 0, r.r1), Tensor());
+    });
+}
+
+void m_grouped_fp8_gemm_nt_masked(const Quantized& a, const Quantized& b, const Tensor& d, const Tensor& masked_m,
+                                  int64_t expected_m, const GemmOptions& options) {
+  constexpr const char* fn = "m_grouped_fp8_gemm_nt_masked";
+  check_weights(fn, "a.values", a.values, {DType::e4m3, DType::e2m1x2});
+  const int64_t groups = a.values.size(0), max_m = a.values.size(1);
+  check_slab(fn, "a.sf", a.sf, {DType::f32, DType::i32}, groups);
+  check_slab(fn, "b.values", b.values, {DType::e4m3, DType::e2m1x2}, groups);
+  check_slab(fn, "b.sf", b.sf, {DType::f32, DType::i32}, groups);
+  check_gran_m(fn, options);
+  detail::check_cpu(fn, "d", d);
+  detail::check_dtype(fn, "d", d, {DType::bf16, DType::f32});
+  detail::check_shape(fn, "d", d, {groups, max_m, b.values.size(1)});
+  if (d.numel() > 0 && d.stride(2) != 1) fail(fn, "d", "a unit-stride last dimension", shape_str(d.strides()));
+  for (const Run& r : masked_runs(fn, masked_m, groups, max_m, expected_m))
+    call_dense(fn, r.group, [&] {
+      fp8_fp4_gemm_nt({a.values.select(0, r.group).slice(0, 0, r.r1), a.sf.select(0, r.group).slice(0, 0, r.r1)},
+                      {b.values.select(0, r.group), b.sf.select(0, r.group)}, d.select(0, r.group).slice(0, 0, r.r1),
+                      Tensor(), options);
+    });
+}
+
+}  // namespace moekit

@@ -1,0 +1,302 @@
+// MoE grouped GEMMs (gemm.md "MoE grouped GEMMs"): contiguous (per-row and psum layouts)
+// and masked, BF16 / FP8 / FP8 x FP4, against the f64 oracle group by group; rows of no
+// group keep a sentinel; empty groups, a group holding all rows, segments of exactly the
+// alignment, unaligned psum ends; thread-count determinism; bad input.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "moekit/error.h"
+#include "moekit/formats.h"
+#include "moekit/gemm.h"
+#include "moekit/runtime.h"
+#include "moekit/tensor.h"
+#include "reference.h"
+#include "test_util.h"
+
+namespace moekit {
+namespace {
+
+constexpr float kSentinel = -12288.0f;  // exact in bf16 and f32
+
+Tensor random_bf16(const Shape& shape, uint64_t seed) {
+  Tensor t = Tensor::empty(shape, DType::bf16);
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (int64_t i = 0; i < t.numel(); ++i) t.data_ptr<uint16_t>()[i] = f32_to_bf16(normal(rng));
+  return t;
+}
+
+Tensor filled(const Shape& shape, DType dtype) {
+  Tensor t = Tensor::empty(shape, dtype);
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    if (dtype == DType::f32) t.data_ptr<float>()[i] = kSentinel;
+    else t.data_ptr<uint16_t>()[i] = f32_to_bf16(kSentinel);
+  }
+  return t;
+}
+
+Tensor i32(const std::vector<int32_t>& v) {
+  Tensor t = Tensor::empty({static_cast<int64_t>(v.size())}, DType::i32);
+  std::memcpy(t.data(), v.data(), v.size() * 4);
+  return t;
+}
+
+enum class Kind { bf16, fp8, fp8xfp4 };
+
+// Weights [G, N, K] as the kind's operand, with the oracle's view of group g.
+struct Weights {
+  Quantized q;  // values [G, N, K or K/2], sf [G, ...] (undefined for bf16)
+  int64_t gran_n = 1, gran_k = 128;
+  ref::Operand group(int64_t g) const {
+    return {q.values.select(0, g), q.sf.defined() ? q.sf.select(0, g) : Tensor(), gran_n, gran_k};
+  }
+};
+
+Weights make_weights(Kind kind, int64_t groups, int64_t n, int64_t k, uint64_t seed) {
+  const Tensor x = random_bf16({groups, n, k}, seed);
+  Weights w;
+  if (kind == Kind::bf16) {
+    w.q.values = x;
+    return w;
+  }
+  std::vector<Quantized> per;
+  for (int64_t g = 0; g < groups; ++g)
+    per.push_back(kind == Kind::fp8 ? per_block_cast_to_fp8(x.select(0, g), false)
+                                    : per_token_cast_to_fp4(x.select(0, g), true, 32));
+  w.gran_n = kind == Kind::fp8 ? 128 : 1;
+  w.gran_k = kind == Kind::fp8 ? 128 : 32;
+  const Shape vs = per[0].values.shape(), ss = per[0].sf.shape();
+  w.q.values = Tensor::empty({groups, vs[0], vs[1]}, per[0].values.dtype());
+  w.q.sf = Tensor::empty({groups, ss[0], ss[1]}, DType::f32);
+  for (int64_t g = 0; g < groups; ++g) {
+    w.q.values.select(0, g).copy_from(per[static_cast<size_t>(g)].values);
+    w.q.sf.select(0, g).copy_from(per[static_cast<size_t>(g)].sf);
+  }
+  return w;
+}
+
+struct Activations {
+  Quantized q;
+  int64_t gran_k = 128;
+};
+
+Activations make_activations(Kind kind, const Tensor& x) {
+  Activations a;
+  if (kind == Kind::bf16) a.q.values = x;
+  else a.q = per_token_cast_to_fp8(x, kind == Kind::fp8xfp4, kind == Kind::fp8 ? 128 : 32);
+  a.gran_k = kind == Kind::fp8 ? 128 : 32;
+  return a;
+}
+
+// Expected D: oracle rows for the groups' rows, the sentinel elsewhere.
+std::vector<double> expected_contiguous(const Activations& a, const Weights& w, const std::vector<int32_t>& row_group,
+                                        int64_t n) {
+  const int64_t m = static_cast<int64_t>(row_group.size());
+  std::vector<double> out(static_cast<size_t>(m * n), kSentinel);
+  for (int64_t r = 0; r < m; ++r) {
+    if (row_group[static_cast<size_t>(r)] < 0) continue;
+    ref::Operand ar{a.q.values.slice(0, r, r + 1), a.q.sf.defined() ? a.q.sf.slice(0, r, r + 1) : Tensor(), 1, a.gran_k};
+    const std::vector<double> row = ref::gemm(ref::Layout::nt, ar, w.group(row_group[static_cast<size_t>(r)]));
+    std::copy(row.begin(), row.end(), out.begin() + r * n);
+  }
+  return out;
+}
+
+void expect_matches(const Tensor& d, const std::vector<double>& want, const std::vector<int32_t>& row_group, int64_t n) {
+  const std::vector<double> got = ref::to_f64(d);
+  std::vector<double> gx, wx;
+  for (size_t r = 0; r < row_group.size(); ++r)
+    for (int64_t j = 0; j < n; ++j) {
+      const size_t i = r * static_cast<size_t>(n) + static_cast<size_t>(j);
+      if (row_group[r] < 0) {
+        ASSERT_EQ(got[i], kSentinel) << "row " << r << " (no group) was written";
+      } else {
+        gx.push_back(got[i]);
+        wx.push_back(want[i]);
+      }
+    }
+  if (!gx.empty()) {
+    EXPECT_LE(ref::calc_diff(gx, wx), 1e-5);
+  }
+}
+
+void run_contiguous(Kind kind, const Activations& a, const Weights& w, const Tensor& d, const Tensor& layout, bool psum) {
+  if (kind == Kind::bf16) {
+    m_grouped_bf16_gemm_nt_contiguous(a.q.values, w.q.values, d, layout, psum);
+    return;
+  }
+  GemmOptions o;
+  o.recipe_a = OperandRecipe{1, a.gran_k};
+  o.recipe_b = OperandRecipe{w.gran_n, w.gran_k};
+  m_grouped_fp8_gemm_nt_contiguous(a.q, w.q, d, layout, psum, o);
+}
+
+// Row -> group of a psum layout (as gemm.md defines it), for the oracle.
+std::vector<int32_t> rows_of_psum(const std::vector<int32_t>& psum, int64_t m, int64_t align) {
+  std::vector<int32_t> rg(static_cast<size_t>(m), -1);
+  int64_t previous = 0;
+  for (size_t j = 0; j < psum.size(); ++j) {
+    const int64_t start = (previous + align - 1) / align * align;
+    for (int64_t r = start; r < psum[j]; ++r) rg[static_cast<size_t>(r)] = static_cast<int32_t>(j);
+    previous = psum[j];
+  }
+  return rg;
+}
+
+struct AlignmentGuard {
+  int64_t previous = get_mk_alignment_for_contiguous_layout();
+  ~AlignmentGuard() { set_mk_alignment_for_contiguous_layout(previous); }
+};
+
+TEST(Grouped, DefaultAlignmentIsUpstreams) { EXPECT_EQ(get_mk_alignment_for_contiguous_layout(), 128); }
+
+TEST(Grouped, ContiguousPerRowLayout) {
+  AlignmentGuard guard;
+  set_mk_alignment_for_contiguous_layout(8);
+  const int64_t groups = 4, n = 40, k = 300;
+  // group 2: exactly one alignment; group 1: empty; group 0: two segments' worth; padding
+  // rows (-1) between; group 3 last, unpadded tail.
+  std::vector<int32_t> rg;
+  auto add = [&](int32_t g, int rows) { rg.insert(rg.end(), static_cast<size_t>(rows), g); };
+  add(2, 8), add(0, 13), add(-1, 3), add(3, 5), add(-1, 3), add(0, 1);
+  const int64_t m = static_cast<int64_t>(rg.size());
+  for (Kind kind : {Kind::bf16, Kind::fp8, Kind::fp8xfp4}) {
+    SCOPED_TRACE(static_cast<int>(kind));
+    const Activations a = make_activations(kind, random_bf16({m, k}, 1));
+    const Weights w = make_weights(kind, groups, n, k, 2);
+    for (DType out : {DType::f32, DType::bf16}) {
+      Tensor d = filled({m, n}, out);
+      run_contiguous(kind, a, w, d, i32(rg), false);
+      expect_matches(d, expected_contiguous(a, w, rg, n), rg, n);
+    }
+  }
+}
+
+TEST(Grouped, ContiguousPsumLayout) {
+  for (int64_t align : {1, 16, 128}) {
+    AlignmentGuard guard;
+    set_mk_alignment_for_contiguous_layout(align);
+    SCOPED_TRACE("alignment " + std::to_string(align));
+    const int64_t n = 24, k = 256;
+    // Unaligned ends, an empty group (same end twice), a final group ending before M.
+    const std::vector<int32_t> psum = {37, 37, 150, 201};
+    const int64_t m = 260;
+    const std::vector<int32_t> rg = rows_of_psum(psum, m, align);
+    for (Kind kind : {Kind::bf16, Kind::fp8, Kind::fp8xfp4}) {
+      SCOPED_TRACE(static_cast<int>(kind));
+      const Activations a = make_activations(kind, random_bf16({m, k}, 3));
+      const Weights w = make_weights(kind, 4, n, k, 4);
+      Tensor d = filled({m, n}, DType::f32);
+      run_contiguous(kind, a, w, d, i32(psum), true);
+      expect_matches(d, expected_contiguous(a, w, rg, n), rg, n);
+    }
+  }
+}
+
+TEST(Grouped, OneGroupHoldsAllRowsAndThreadCountsAgree) {
+  const int64_t m = 256, n = 64, k = 512;
+  const std::vector<int32_t> rg(static_cast<size_t>(m), 1);
+  const Activations a = make_activations(Kind::fp8, random_bf16({m, k}, 5));
+  const Weights w = make_weights(Kind::fp8, 3, n, k, 6);
+  const int previous = num_threads();
+  std::vector<Tensor> results;
+  for (int threads : {1, 2, 3}) {
+    set_num_threads(threads);
+    Tensor d = filled({m, n}, DType::f32);
+    run_contiguous(Kind::fp8, a, w, d, i32(rg), false);
+    results.push_back(d);
+  }
+  set_num_threads(previous);
+  for (size_t i = 1; i < results.size(); ++i)
+    EXPECT_EQ(0, std::memcmp(results[0].data(), results[i].data(), static_cast<size_t>(m * n) * 4));
+  expect_matches(results[0], expected_contiguous(a, w, rg, n), rg, n);
+}
+
+TEST(Grouped, ContiguousNnLayout) {
+  AlignmentGuard guard;
+  set_mk_alignment_for_contiguous_layout(4);
+  const int64_t n = 20, k = 100;
+  const std::vector<int32_t> rg = {1, 1, 1, 1, 0, 0, -1, -1};
+  const int64_t m = static_cast<int64_t>(rg.size());
+  const Tensor x = random_bf16({m, k}, 7);
+  const Weights w = make_weights(Kind::bf16, 2, n, k, 8);
+  Tensor bt = Tensor::empty({2, k, n}, DType::bf16);  // [G, K, N]
+  for (int64_t g = 0; g < 2; ++g) bt.select(0, g).copy_from(w.q.values.select(0, g).t());
+  Tensor d = filled({m, n}, DType::f32);
+  m_grouped_bf16_gemm_nn_contiguous(x, bt, d, i32(rg));
+  Activations a;
+  a.q.values = x;
+  expect_matches(d, expected_contiguous(a, w, rg, n), rg, n);
+}
+
+TEST(Grouped, Masked) {
+  const int64_t groups = 5, max_m = 24, n = 36, k = 256;
+  const std::vector<int32_t> masked = {0, 24, 1, 17, 3};  // empty, full, one row, ...
+  for (Kind kind : {Kind::bf16, Kind::fp8, Kind::fp8xfp4}) {
+    SCOPED_TRACE(static_cast<int>(kind));
+    const Tensor x = random_bf16({groups, max_m, k}, 9);
+    const Weights w = make_weights(kind, groups, n, k, 10);
+    std::vector<Activations> per;
+    for (int64_t g = 0; g < groups; ++g) per.push_back(make_activations(kind, x.select(0, g)));
+    Quantized a;
+    if (kind == Kind::bf16) {
+      a.values = x;
+    } else {
+      const Shape vs = per[0].q.values.shape(), ss = per[0].q.sf.shape();
+      a.values = Tensor::empty({groups, vs[0], vs[1]}, per[0].q.values.dtype());
+      a.sf = Tensor::empty({groups, ss[0], ss[1]}, DType::f32);
+      for (int64_t g = 0; g < groups; ++g) {
+        a.values.select(0, g).copy_from(per[static_cast<size_t>(g)].q.values);
+        a.sf.select(0, g).copy_from(per[static_cast<size_t>(g)].q.sf);
+      }
+    }
+    Tensor d = filled({groups, max_m, n}, DType::f32);
+    if (kind == Kind::bf16) {
+      m_grouped_bf16_gemm_nt_masked(a.values, w.q.values, d, i32(masked), 16);
+    } else {
+      GemmOptions o;
+      o.recipe_a = OperandRecipe{1, per[0].gran_k};
+      o.recipe_b = OperandRecipe{w.gran_n, w.gran_k};
+      m_grouped_fp8_gemm_nt_masked(a, w.q, d, i32(masked), 16, o);
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+      std::vector<int32_t> rg(static_cast<size_t>(max_m), -1);
+      for (int32_t r = 0; r < masked[static_cast<size_t>(g)]; ++r) rg[static_cast<size_t>(r)] = static_cast<int32_t>(g);
+      expect_matches(d.select(0, g), expected_contiguous(per[static_cast<size_t>(g)], w, rg, n), rg, n);
+    }
+  }
+}
+
+TEST(Grouped, BadInputRaisesNamedErrors) {
+  AlignmentGuard guard;
+  set_mk_alignment_for_contiguous_layout(4);
+  const Tensor a = random_bf16({8, 64}, 11), b = random_bf16({2, 16, 64}, 12);
+  Tensor d = filled({8, 16}, DType::f32);
+  constexpr auto f = &m_grouped_bf16_gemm_nt_contiguous;
+  EXPECT_MOEKIT_ERROR_ARG(f(a, b, d, i32({0, 0, 0, 0, 2, 2, 2, 2}), false), "grouped_layout");   // index >= G
+  EXPECT_MOEKIT_ERROR_ARG(f(a, b, d, i32({0, 0, 0, 0, -2, 1, 1, 1}), false), "grouped_layout");  // < -1
+  EXPECT_MOEKIT_ERROR_ARG(f(a, b, d, i32({0, 0, 0, 1, 1, 1, 1, 1}), false), "grouped_layout");   // misaligned
+  EXPECT_MOEKIT_ERROR_ARG(f(a, b, d, i32({0, 0, 0, 0}), false), "grouped_layout");               // wrong length
+  EXPECT_MOEKIT_ERROR_ARG(f(a, b, d, i32({6, 5}), true), "grouped_layout");                       // decreasing psum
+  EXPECT_MOEKIT_ERROR_ARG(f(a, b, d, i32({4, 9}), true), "grouped_layout");                       // past M
+  EXPECT_MOEKIT_ERROR_ARG(f(a, random_bf16({2, 16, 65}, 13), d, i32({4, 8}), true), "b (group 0)");  // K mismatch
+  EXPECT_MOEKIT_ERROR_ARG(f(a, b, Tensor::empty({8, 17}, DType::f32), i32({4, 8}), true), "d");
+  EXPECT_MOEKIT_ERROR_ARG(f(a, random_bf16({16, 64}, 14), d, i32({4, 8}), true), "b");             // not 3-D
+  EXPECT_MOEKIT_ERROR_ARG(set_mk_alignment_for_contiguous_layout(0), "alignment");
+  const Tensor am = random_bf16({2, 4, 64}, 15);
+  Tensor dm = filled({2, 4, 16}, DType::f32);
+  EXPECT_MOEKIT_ERROR_ARG(m_grouped_bf16_gemm_nt_masked(am, b, dm, i32({1, 5}), 2), "masked_m");    // > max_m
+  EXPECT_MOEKIT_ERROR_ARG(m_grouped_bf16_gemm_nt_masked(am, b, dm, i32({1, -1}), 2), "masked_m");
+  EXPECT_MOEKIT_ERROR_ARG(m_grouped_bf16_gemm_nt_masked(am, b, dm, i32({1, 1}), -1), "expected_m");
+  EXPECT_MOEKIT_ERROR_ARG(m_grouped_bf16_gemm_nt_masked(am, random_bf16({3, 16, 64}, 16), dm, i32({1, 1}), 2), "b");
+  // Rejected calls wrote nothing.
+  for (int64_t i = 0; i < d.numel(); ++i) ASSERT_EQ(d.data_ptr<float>()[i], kSentinel);
+}
+
+}  // namespace
+}  // namespace moekit
