@@ -272,6 +272,74 @@ TEST(Grouped, Masked) {
   }
 }
 
+// Weight-gradient GEMM: per group D[g] = C[g] + A_gᵀ B_g over its own K rows, including a
+// group with K = 0 (D[g] = C[g]) and one with a partial last scale block; C in place too.
+TEST(Grouped, KGrouped) {
+  const int64_t m = 24, n = 40;
+  const std::vector<int64_t> ks = {130, 0, 256, 7};
+  int64_t total = 0;
+  for (int64_t k : ks) total += k;
+  const Tensor xa = random_bf16({total, m}, 21), xb = random_bf16({total, n}, 22);
+  const int64_t groups = static_cast<int64_t>(ks.size());
+  Tensor c = Tensor::empty({groups, m, n}, DType::f32);
+  const Tensor cb = random_bf16({groups, m, n}, 23);
+  convert(cb.reshape({groups * m, n}), c.reshape({groups * m, n}));
+  // FP8 operands quantised group by group along K (recipe (1, 1, 128)).
+  std::vector<Quantized> qa, qb;
+  int64_t blocks = 0, k0 = 0;
+  for (int64_t k : ks) {
+    qa.push_back(per_channel_cast_to_fp8(xa.slice(0, k0, k0 + k), false));
+    qb.push_back(per_channel_cast_to_fp8(xb.slice(0, k0, k0 + k), false));
+    blocks += (k + 127) / 128, k0 += k;
+  }
+  Quantized a8{Tensor::empty({total, m}, DType::e4m3), Tensor::empty({blocks, m}, DType::f32)};
+  Quantized b8{Tensor::empty({total, n}, DType::e4m3), Tensor::empty({blocks, n}, DType::f32)};
+  k0 = 0;
+  int64_t s0 = 0;
+  for (size_t g = 0; g < ks.size(); ++g) {
+    const int64_t k = ks[g], nb = (k + 127) / 128;
+    a8.values.slice(0, k0, k0 + k).copy_from(qa[g].values);
+    b8.values.slice(0, k0, k0 + k).copy_from(qb[g].values);
+    a8.sf.slice(0, s0, s0 + nb).copy_from(qa[g].sf);
+    b8.sf.slice(0, s0, s0 + nb).copy_from(qb[g].sf);
+    k0 += k, s0 += nb;
+  }
+  for (bool fp8 : {false, true})
+    for (int c_mode : {0, 1, 2}) {  // no C, separate C, C == D
+      SCOPED_TRACE(std::string(fp8 ? "fp8" : "bf16") + " c_mode " + std::to_string(c_mode));
+      Tensor d = Tensor::empty({groups, m, n}, DType::f32);
+      if (c_mode == 2) d.copy_from(c);
+      const Tensor cc = c_mode == 1 ? c : c_mode == 2 ? d : Tensor();
+      if (fp8) k_grouped_fp8_gemm_tn_contiguous(a8, b8, d, ks, cc);
+      else k_grouped_bf16_gemm_tn_contiguous(xa, xb, d, ks, cc);
+      k0 = 0, s0 = 0;
+      for (size_t g = 0; g < ks.size(); ++g) {
+        const int64_t k = ks[g], nb = (k + 127) / 128;
+        const ref::Operand ra = fp8 ? ref::Operand{a8.values.slice(0, k0, k0 + k), a8.sf.slice(0, s0, s0 + nb).t(), 1, 128}
+                                    : ref::Operand{xa.slice(0, k0, k0 + k), Tensor(), 1, 128};
+        const ref::Operand rb = fp8 ? ref::Operand{b8.values.slice(0, k0, k0 + k), b8.sf.slice(0, s0, s0 + nb).t(), 1, 128}
+                                    : ref::Operand{xb.slice(0, k0, k0 + k), Tensor(), 1, 128};
+        const Tensor cg = c_mode ? c.select(0, static_cast<int64_t>(g)) : Tensor();
+        const std::vector<double> want = ref::gemm(ref::Layout::tn, ra, rb, cg);
+        const std::vector<double> got = ref::to_f64(d.select(0, static_cast<int64_t>(g)));
+        if (k == 0) {
+          for (size_t i = 0; i < got.size(); ++i) ASSERT_EQ(got[i], want[i]) << "group " << g << " with K = 0";
+        } else {
+          EXPECT_LE(ref::calc_diff(got, want), 1e-5) << "group " << g;
+        }
+        k0 += k, s0 += nb;
+      }
+    }
+  EXPECT_MOEKIT_ERROR_ARG(k_grouped_bf16_gemm_tn_contiguous(xa, xb, Tensor::empty({3, m, n}, DType::f32), {130, 0, 256}),
+                          "a");  // ks do not add up to the rows
+  EXPECT_MOEKIT_ERROR_ARG(k_grouped_bf16_gemm_tn_contiguous(xa, xb, Tensor::empty({groups, m, n}, DType::f32), {130, -1, 257, 7}),
+                          "ks");
+  EXPECT_MOEKIT_ERROR_ARG(k_grouped_bf16_gemm_tn_contiguous(xa, xb, Tensor::empty({groups, m, n}, DType::bf16), ks), "d");
+  EXPECT_MOEKIT_ERROR_ARG(k_grouped_fp8_gemm_tn_contiguous(a8, {b8.values, b8.sf.slice(0, 0, blocks - 1)},
+                                                           Tensor::empty({groups, m, n}, DType::f32), ks),
+                          "b.sf");
+}
+
 TEST(Grouped, BadInputRaisesNamedErrors) {
   AlignmentGuard guard;
   set_mk_alignment_for_contiguous_layout(4);

@@ -22,6 +22,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 #include "moekit/formats.h"
 #include "moekit/tensor.h"
@@ -113,5 +114,15 @@ void m_grouped_bf16_gemm_nt_masked(const Tensor& a, const Tensor& b, const Tenso
                                    int64_t expected_m);
 void m_grouped_fp8_gemm_nt_masked(const Quantized& a, const Quantized& b, const Tensor& d, const Tensor& masked_m,
                                   int64_t expected_m, const GemmOptions& options = {});
+
+// Weight gradients: A [ΣK, M], B [ΣK, N]; group g uses rows [Σ_{<g} ks, Σ_{≤g} ks) of both,
+// D[g] = C[g] + A_gᵀ·B_g with D and C f32 [G, M, N] (C optional, may be D; a group with
+// K = 0 gives D[g] = C[g], or zeros). FP8: recipe (1, 1, 128) along K, each group quantised
+// on its own (per_channel_cast_to_fp8 of its [K_g, MN] slice): a.sf / b.sf are the groups'
+// [ceil(K_g / 128), M] / [.., N] scale blocks stacked along the first dimension.
+void k_grouped_bf16_gemm_tn_contiguous(const Tensor& a, const Tensor& b, const Tensor& d,
+                                       const std::vector<int64_t>& ks, const Tensor& c = Tensor());
+void k_grouped_fp8_gemm_tn_contiguous(const Quantized& a, const Quantized& b, const Tensor& d,
+                                      const std::vector<int64_t>& ks, const Tensor& c = Tensor());
 
 }  // namespace moekit

@@ -152,7 +152,75 @@ void check_slab(const char* fn, const char* arg, const Tensor& t, std::initializ
   if (t.size(0) != groups) fail(fn, arg, std::to_string(groups) + " groups", shape_str(t.shape()));
 }
 
+// Row offsets of the K groups (prefix sums of ks), validated against the operands' rows.
+std::vector<int64_t> k_offsets(const char* fn, const std::vector<int64_t>& ks, int64_t rows_a, int64_t rows_b) {
+  std::vector<int64_t> offsets{0};
+  for (size_t g = 0; g < ks.size(); ++g) {
+    if (ks[g] < 0) fail(fn, "ks", "non-negative group sizes", std::to_string(ks[g]) + " for group " + std::to_string(g));
+    offsets.push_back(offsets.back() + ks[g]);
+  }
+  if (offsets.back() != rows_a) fail(fn, "a", std::to_string(offsets.back()) + " rows (the sum of ks)", std::to_string(rows_a));
+  if (offsets.back() != rows_b) fail(fn, "b", std::to_string(offsets.back()) + " rows (the sum of ks)", std::to_string(rows_b));
+  return offsets;
+}
+
+void check_k_grouped_output(const char* fn, const Tensor& d, const Tensor& c, const Shape& shape) {
+  detail::check_cpu(fn, "d", d);
+  detail::check_dtype(fn, "d", d, {DType::f32});
+  detail::check_shape(fn, "d", d, shape);
+  if (d.numel() > 0 && d.stride(2) != 1) fail(fn, "d", "a unit-stride last dimension", shape_str(d.strides()));
+  if (!c.defined()) return;
+  detail::check_cpu(fn, "c", c);
+  detail::check_dtype(fn, "c", c, {DType::f32});
+  detail::check_shape(fn, "c", c, shape);
+  if (c.numel() > 0 && c.stride(2) != 1) fail(fn, "c", "a unit-stride last dimension", shape_str(c.strides()));
+}
+
 }  // namespace
+
+void k_grouped_bf16_gemm_tn_contiguous(const Tensor& a, const Tensor& b, const Tensor& d,
+                                       const std::vector<int64_t>& ks, const Tensor& c) {
+  constexpr const char* fn = "k_grouped_bf16_gemm_tn_contiguous";
+  detail::check_cpu_matrix(fn, "a", a, {DType::bf16});
+  detail::check_cpu_matrix(fn, "b", b, {DType::bf16});
+  const int64_t groups = static_cast<int64_t>(ks.size());
+  check_k_grouped_output(fn, d, c, {groups, a.size(1), b.size(1)});
+  const std::vector<int64_t> off = k_offsets(fn, ks, a.size(0), b.size(0));
+  for (int64_t g = 0; g < groups; ++g)
+    call_dense(fn, g, [&] {
+      bf16_gemm_tn(a.slice(0, off[g], off[g + 1]), b.slice(0, off[g], off[g + 1]), d.select(0, g),
+                   c.defined() ? c.select(0, g) : Tensor());
+    });
+}
+
+void k_grouped_fp8_gemm_tn_contiguous(const Quantized& a, const Quantized& b, const Tensor& d,
+                                      const std::vector<int64_t>& ks, const Tensor& c) {
+  constexpr const char* fn = "k_grouped_fp8_gemm_tn_contiguous";
+  detail::check_cpu_matrix(fn, "a.values", a.values, {DType::e4m3});
+  detail::check_cpu_matrix(fn, "b.values", b.values, {DType::e4m3});
+  detail::check_cpu_matrix(fn, "a.sf", a.sf, {DType::f32});
+  detail::check_cpu_matrix(fn, "b.sf", b.sf, {DType::f32});
+  const int64_t groups = static_cast<int64_t>(ks.size());
+  check_k_grouped_output(fn, d, c, {groups, a.values.size(1), b.values.size(1)});
+  const std::vector<int64_t> off = k_offsets(fn, ks, a.values.size(0), b.values.size(0));
+  int64_t blocks = 0;  // scale rows used so far (ceil(K_g / 128) per group)
+  for (int64_t g = 0; g < groups; ++g) blocks += ceil_div(ks[static_cast<size_t>(g)], 128);
+  if (a.sf.size(0) != blocks) fail(fn, "a.sf", std::to_string(blocks) + " rows (ceil(K_g / 128) per group)", shape_str(a.sf.shape()));
+  if (b.sf.size(0) != blocks) fail(fn, "b.sf", std::to_string(blocks) + " rows (ceil(K_g / 128) per group)", shape_str(b.sf.shape()));
+  GemmOptions o;
+  o.recipe = Recipe{1, 1, 128};
+  int64_t s0 = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t s1 = s0 + ceil_div(ks[static_cast<size_t>(g)], 128);
+    // The dense API takes scales in the canonical [MN, groups] orientation: a transposed view.
+    call_dense(fn, g, [&] {
+      fp8_fp4_gemm_tn({a.values.slice(0, off[g], off[g + 1]), a.sf.slice(0, s0, s1).t()},
+                      {b.values.slice(0, off[g], off[g + 1]), b.sf.slice(0, s0, s1).t()}, d.select(0, g),
+                      c.defined() ? c.select(0, g) : Tensor(), o);
+    });
+    s0 = s1;
+  }
+}
 
 int64_t get_mk_alignment_for_contiguous_layout() { return g_alignment.load(); }
 
