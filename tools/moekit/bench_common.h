@@ -59,5 +59,6 @@ struct BenchOptions {
 
 void bench_formats(const BenchOptions& options);
 void bench_gemm(const BenchOptions& options);
+void bench_grouped(const BenchOptions& options);
 
 }  // namespace moekit::tools
