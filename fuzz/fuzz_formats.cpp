@@ -19,12 +19,7 @@ namespace {
 
 using namespace moekit;
 
-struct Reader {
-  const uint8_t* p;
-  size_t n;
-  uint8_t byte() { return n ? (--n, *p++) : 0; }
-  int64_t small(int64_t limit) { return static_cast<int64_t>(byte()) % limit; }
-};
+using moekit::fuzzing::Reader;
 
 bool same_bytes(const Tensor& a, const Tensor& b) {
   return a.shape() == b.shape() && std::memcmp(a.data(), b.data(), static_cast<size_t>(a.numel()) * a.element_size()) == 0;

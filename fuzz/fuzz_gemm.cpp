@@ -24,12 +24,7 @@ using namespace moekit;
 
 long g_accepted = 0, g_rejected = 0;  // smoke driver statistics
 
-struct Reader {
-  const uint8_t* p;
-  size_t n;
-  uint8_t byte() { return n ? (--n, *p++) : 0; }
-  int64_t small(int64_t limit) { return static_cast<int64_t>(byte()) % limit; }
-};
+using moekit::fuzzing::Reader;
 
 [[noreturn]] void fail(const char* what) {
   std::fprintf(stderr, "fuzz_gemm: %s\n", what);

@@ -1,4 +1,5 @@
-// The ctest stand-in for libFuzzer: feeds a fuzz target deterministic pseudo-random inputs.
+// Shared by the fuzz targets: the input reader, and the ctest stand-in for libFuzzer that
+// feeds a target deterministic pseudo-random inputs.
 #pragma once
 
 #include <cstddef>
@@ -8,6 +9,14 @@
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size);
 
 namespace moekit::fuzzing {
+
+// Draws bytes from a fuzz input; zeros once it is used up.
+struct Reader {
+  const uint8_t* p;
+  size_t n;
+  uint8_t byte() { return n ? (--n, *p++) : 0; }
+  int64_t small(int64_t limit) { return static_cast<int64_t>(byte()) % limit; }
+};
 
 // `iterations` inputs; input i has length min_len + (i * stride) % span bytes.
 inline void run_smoke(long iterations, uint64_t seed, size_t min_len, size_t stride, size_t span) {

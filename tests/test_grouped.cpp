@@ -362,6 +362,22 @@ TEST(Grouped, BadInputRaisesNamedErrors) {
   EXPECT_MOEKIT_ERROR_ARG(m_grouped_bf16_gemm_nt_masked(am, b, dm, i32({1, -1}), 2), "masked_m");
   EXPECT_MOEKIT_ERROR_ARG(m_grouped_bf16_gemm_nt_masked(am, b, dm, i32({1, 1}), -1), "expected_m");
   EXPECT_MOEKIT_ERROR_ARG(m_grouped_bf16_gemm_nt_masked(am, random_bf16({3, 16, 64}, 16), dm, i32({1, 1}), 2), "b");
+  // FP8 forms: scale tensors of the wrong group count or rows, per-block activation scales.
+  const Tensor xa = random_bf16({8, 128}, 17);
+  const Quantized qa = per_token_cast_to_fp8(xa, false);
+  const Weights w = make_weights(Kind::fp8, 2, 16, 128, 18);
+  const Tensor rg = i32({0, 0, 0, 0, 1, 1, 1, 1});
+  EXPECT_MOEKIT_ERROR_ARG(m_grouped_fp8_gemm_nt_contiguous({qa.values, qa.sf.slice(0, 0, 4)}, w.q, d, rg), "a.sf");
+  EXPECT_MOEKIT_ERROR_ARG(m_grouped_fp8_gemm_nt_contiguous(qa, {w.q.values, w.q.sf.slice(0, 0, 1)}, d, rg), "b.sf");
+  GemmOptions per_block;
+  per_block.recipe = Recipe{128, 128, 128};
+  EXPECT_MOEKIT_ERROR_ARG(m_grouped_fp8_gemm_nt_contiguous(qa, w.q, d, rg, false, per_block), "recipe");
+  const Quantized qm{qa.values.reshape({2, 4, 128}), qa.sf.reshape({2, 4, 1})};
+  Tensor d8 = filled({2, 4, 16}, DType::f32);
+  EXPECT_MOEKIT_ERROR_ARG(m_grouped_fp8_gemm_nt_masked(qm, w.q, d8, i32({1, 5}), 1), "masked_m");
+  EXPECT_MOEKIT_ERROR_ARG(m_grouped_fp8_gemm_nt_masked({qm.values, qa.sf}, w.q, d8, i32({1, 1}), 1), "a.sf");
+  EXPECT_MOEKIT_ERROR_ARG(m_grouped_fp8_gemm_nt_masked(qm, w.q, Tensor::empty({2, 4, 16}, DType::e4m3), i32({1, 1}), 1), "d");
+  for (int64_t i = 0; i < d8.numel(); ++i) ASSERT_EQ(d8.data_ptr<float>()[i], kSentinel);
   // Rejected calls wrote nothing.
   for (int64_t i = 0; i < d.numel(); ++i) ASSERT_EQ(d.data_ptr<float>()[i], kSentinel);
 }

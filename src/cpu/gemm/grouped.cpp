@@ -87,11 +87,13 @@ std::vector<Run> contiguous_runs(const char* fn, const Tensor& layout, int64_t m
   return runs;
 }
 
-void check_output(const char* fn, const Tensor& d, const Shape& shape) {
-  detail::check_cpu(fn, "d", d);
-  detail::check_dtype(fn, "d", d, {DType::bf16, DType::f32});
-  detail::check_shape(fn, "d", d, shape);
-  if (d.numel() > 0 && d.stride(-1) != 1) fail(fn, "d", "a unit-stride last dimension", shape_str(d.strides()));
+// An output (or C) of the given shape and dtypes with a unit-stride last dimension.
+void check_output(const char* fn, const char* arg, const Tensor& d, const Shape& shape,
+                  std::initializer_list<DType> dtypes = {DType::bf16, DType::f32}) {
+  detail::check_cpu(fn, arg, d);
+  detail::check_dtype(fn, arg, d, dtypes);
+  detail::check_shape(fn, arg, d, shape);
+  if (d.numel() > 0 && d.stride(-1) != 1) fail(fn, arg, "a unit-stride last dimension", shape_str(d.strides()));
 }
 
 void check_gran_m(const char* fn, const GemmOptions& o) {
@@ -108,7 +110,7 @@ void bf16_contiguous(const char* fn, DenseBf16 dense, const Tensor& a, const Ten
   check_weights(fn, "b", b, {DType::bf16});
   const int64_t m = a.size(0);
   const int64_t n = dense == &bf16_gemm_nt ? b.size(1) : b.size(2);
-  check_output(fn, d, {m, n});
+  check_output(fn, "d", d, {m, n});
   for (const Run& r : contiguous_runs(fn, layout, m, b.size(0), psum))
     call_dense(fn, r.group, [&] { dense(a.slice(0, r.r0, r.r1), b.select(0, r.group), d.slice(0, r.r0, r.r1), Tensor()); });
 }
@@ -125,7 +127,7 @@ void fp8_contiguous(const char* fn, DenseFp8 dense, const Quantized& a, const Qu
   if (b.sf.size(0) != groups) fail(fn, "b.sf", std::to_string(groups) + " groups", shape_str(b.sf.shape()));
   const bool nt = dense == &fp8_fp4_gemm_nt;
   const int64_t n = nt ? b.values.size(1) : (b.values.dtype() == DType::e2m1x2 ? 2 : 1) * b.values.size(2);
-  check_output(fn, d, {m, n});
+  check_output(fn, "d", d, {m, n});
   for (const Run& r : contiguous_runs(fn, layout, m, groups, psum))
     call_dense(fn, r.group, [&] {
       dense({a.values.slice(0, r.r0, r.r1), a.sf.slice(0, r.r0, r.r1)},
@@ -165,15 +167,8 @@ std::vector<int64_t> k_offsets(const char* fn, const std::vector<int64_t>& ks, i
 }
 
 void check_k_grouped_output(const char* fn, const Tensor& d, const Tensor& c, const Shape& shape) {
-  detail::check_cpu(fn, "d", d);
-  detail::check_dtype(fn, "d", d, {DType::f32});
-  detail::check_shape(fn, "d", d, shape);
-  if (d.numel() > 0 && d.stride(2) != 1) fail(fn, "d", "a unit-stride last dimension", shape_str(d.strides()));
-  if (!c.defined()) return;
-  detail::check_cpu(fn, "c", c);
-  detail::check_dtype(fn, "c", c, {DType::f32});
-  detail::check_shape(fn, "c", c, shape);
-  if (c.numel() > 0 && c.stride(2) != 1) fail(fn, "c", "a unit-stride last dimension", shape_str(c.strides()));
+  check_output(fn, "d", d, shape, {DType::f32});
+  if (c.defined()) check_output(fn, "c", c, shape, {DType::f32});
 }
 
 }  // namespace
@@ -254,10 +249,7 @@ void m_grouped_bf16_gemm_nt_masked(const Tensor& a, const Tensor& b, const Tenso
   check_weights(fn, "a", a, {DType::bf16});
   const int64_t groups = a.size(0), max_m = a.size(1);
   check_slab(fn, "b", b, {DType::bf16}, groups);
-  detail::check_cpu(fn, "d", d);
-  detail::check_dtype(fn, "d", d, {DType::bf16, DType::f32});
-  detail::check_shape(fn, "d", d, {groups, max_m, b.size(1)});
-  if (d.numel() > 0 && d.stride(2) != 1) fail(fn, "d", "a unit-stride last dimension", shape_str(d.strides()));
+  check_output(fn, "d", d, {groups, max_m, b.size(1)});
   for (const Run& r : masked_runs(fn, masked_m, groups, max_m, expected_m))
     call_dense(fn, r.group, [&] {
       bf16_gemm_nt(a.select(0, r.group).slice(0, 0, r.r1), b.select(0, r.group),
@@ -274,10 +266,7 @@ void m_grouped_fp8_gemm_nt_masked(const Quantized& a, const Quantized& b, const 
   check_slab(fn, "b.values", b.values, {DType::e4m3, DType::e2m1x2}, groups);
   check_slab(fn, "b.sf", b.sf, {DType::f32, DType::i32}, groups);
   check_gran_m(fn, options);
-  detail::check_cpu(fn, "d", d);
-  detail::check_dtype(fn, "d", d, {DType::bf16, DType::f32});
-  detail::check_shape(fn, "d", d, {groups, max_m, b.values.size(1)});
-  if (d.numel() > 0 && d.stride(2) != 1) fail(fn, "d", "a unit-stride last dimension", shape_str(d.strides()));
+  check_output(fn, "d", d, {groups, max_m, b.values.size(1)});
   for (const Run& r : masked_runs(fn, masked_m, groups, max_m, expected_m))
     call_dense(fn, r.group, [&] {
       fp8_fp4_gemm_nt({a.values.select(0, r.group).slice(0, 0, r.r1), a.sf.select(0, r.group).slice(0, 0, r.r1)},
