@@ -69,6 +69,11 @@ class Tensor {
     return from_blob(const_cast<void*>(data), shape, dtype, device, strides);
   }
 
+  // Wraps memory whose lifetime owner manages: the tensor (and every view of it) holds a
+  // reference to owner, so the memory stays valid for as long as any of them lives.
+  static Tensor from_blob_with_owner(void* data, const Shape& shape, DType dtype,
+                                     std::shared_ptr<void> owner, Device device = Device::cpu());
+
   bool defined() const { return defined_; }
   DType dtype() const { return dtype_; }
   Device device() const { return device_; }

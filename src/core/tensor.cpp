@@ -161,6 +161,13 @@ Tensor Tensor::from_blob(void* data, const Shape& shape, DType dtype, Device dev
   return t;
 }
 
+Tensor Tensor::from_blob_with_owner(void* data, const Shape& shape, DType dtype,
+                                    std::shared_ptr<void> owner, Device device) {
+  Tensor t = from_blob(data, shape, dtype, device);
+  t.storage_ = std::move(owner);
+  return t;
+}
+
 Tensor Tensor::slice(int64_t d, int64_t start, int64_t end, int64_t step) const {
   d = wrap_dim(d);
   const int64_t n = shape_[d];

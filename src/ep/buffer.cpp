@@ -1,0 +1,223 @@
+// ep::Buffer: normal dispatch/combine between the ranks of one node through shared memory.
+//
+// Every rank owns a small control segment (flags and published metadata) and a heap of data
+// segments; every rank maps every peer's segments. A collective operation is a few
+// publish-then-wait rounds on the control flags, with the bulk data written by the sender
+// straight into the receiver's heap:
+//   dispatch  1. publish shapes and counts      -> everyone knows every receiver's row count
+//             2. receiver allocates its block    -> publishes where it is
+//             3. senders copy rows, signal done  -> receiver waits for every sender
+//   combine   1. token owner allocates staging (or the expert rank offers x in place)
+//             2. expert ranks copy their rows back, signal done; owner reduces in f32
+//             3. owner signals it has finished reading (x offered in place may be released)
+// Flags only grow (op * 8 + phase), so a slow reader can never see a stale value as new.
+#include "ep/buffer_impl.h"
+
+namespace moekit::ep {
+
+namespace {
+std::atomic<uint64_t> g_next_buffer_id{1};
+}  // namespace
+
+// ---- errors, events, config ----
+
+TimeoutError::TimeoutError(std::string function, std::vector<int> silent_ranks, double waited_s)
+    : Error(std::move(function), "ranks", "every rank to answer within " + seconds_str(waited_s) + " s",
+            "no answer from rank(s) " + join(silent_ranks)),
+      silent_ranks_(std::move(silent_ranks)) {}
+
+void EventOverlap::wait() const {
+  if (state_) state_->done.get();
+}
+
+bool EventOverlap::done() const {
+  return !state_ || state_->done.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+}
+
+int64_t Config::get_nvl_buffer_size_hint(int64_t hidden_bytes, int num_ranks) const {
+  const int64_t row = static_cast<int64_t>(align_up(static_cast<size_t>(hidden_bytes), 64)) + 64;
+  return static_cast<int64_t>(align_up(static_cast<size_t>(num_ranks) *
+                                           static_cast<size_t>(num_max_nvl_chunked_recv_tokens) *
+                                           static_cast<size_t>(row),
+                                       4096));
+}
+
+int64_t Config::get_rdma_buffer_size_hint(int64_t, int) const { return 0; }
+
+Config Buffer::get_dispatch_config(int num_ranks) {
+  Config c;
+  c.num_sms = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / std::max(1, num_ranks));
+  return c;
+}
+Config Buffer::get_combine_config(int num_ranks) { return get_dispatch_config(num_ranks); }
+
+// ---- construction ----
+
+Buffer::Buffer(MPI_Comm comm, int64_t num_nvl_bytes, int64_t num_rdma_bytes, BufferOptions options)
+    : impl_(std::make_unique<Impl>()) {
+  constexpr const char* fn = "ep::Buffer";
+  Impl& m = *impl_;
+  int initialised = 0;
+  MPI_Initialized(&initialised);
+  if (!initialised) fail(fn, "comm", "an initialised MPI (call MPI_Init_thread first)", "MPI not initialised");
+  if (comm == MPI_COMM_NULL) fail(fn, "comm", "a communicator", "MPI_COMM_NULL");
+  if (num_nvl_bytes < 0) fail(fn, "num_nvl_bytes", ">= 0", std::to_string(num_nvl_bytes));
+  if (num_rdma_bytes < 0) fail(fn, "num_rdma_bytes", ">= 0", std::to_string(num_rdma_bytes));
+  m.timeout = options.timeout_s > 0 ? options.timeout_s : env_double("MOEKIT_EP_TIMEOUT_S", 100.0);
+  MPI_Comm_dup(comm, &m.comm);
+  MPI_Comm_rank(m.comm, &m.rank);
+  MPI_Comm_size(m.comm, &m.num_ranks);
+
+  // Nodes: ranks that share a host, unless told to pretend otherwise.
+  MPI_Comm host_comm;
+  MPI_Comm_split_type(m.comm, MPI_COMM_TYPE_SHARED, m.rank, MPI_INFO_NULL, &host_comm);
+  int host_size = 1, host_leader = m.rank;
+  MPI_Comm_size(host_comm, &host_size);
+  MPI_Bcast(&host_leader, 1, MPI_INT, 0, host_comm);
+  MPI_Comm_free(&host_comm);
+  m.ranks_per_node = options.ranks_per_node > 0 ? options.ranks_per_node
+                                                : env_int("MOEKIT_EP_RANKS_PER_NODE", host_size);
+  std::vector<int> leaders(static_cast<size_t>(m.num_ranks));
+  MPI_Allgather(&host_leader, 1, MPI_INT, leaders.data(), 1, MPI_INT, m.comm);
+  auto give_up = [&](const std::string& arg, const std::string& expected, const std::string& actual) {
+    MPI_Comm_free(&m.comm);
+    fail(fn, arg, expected, actual);
+  };
+  if (m.num_ranks % m.ranks_per_node != 0)
+    give_up("ranks_per_node", "a divisor of the rank count " + std::to_string(m.num_ranks), std::to_string(m.ranks_per_node));
+  const int node = m.rank / m.ranks_per_node;
+  for (int r = node * m.ranks_per_node; r < (node + 1) * m.ranks_per_node; ++r)
+    if (leaders[static_cast<size_t>(r)] != host_leader)
+      give_up("ranks_per_node", "consecutive ranks of one node on one host",
+              "rank " + std::to_string(r) + " on another host than rank " + std::to_string(m.rank));
+  if (m.num_ranks / m.ranks_per_node > 1)
+    give_up("ranks_per_node", "all ranks on one node (the internode path is not implemented yet)",
+            std::to_string(m.num_ranks / m.ranks_per_node) + " nodes of " + std::to_string(m.ranks_per_node));
+  m.local_rank = m.rank % m.ranks_per_node;
+  MPI_Comm_split(m.comm, node, m.rank, &m.node_comm);
+  m.id = g_next_buffer_id.fetch_add(1);
+
+  // Shared segments: names unique per (node leader pid, buffer), created then mapped by all.
+  uint64_t tag[2] = {static_cast<uint64_t>(::getpid()), m.id};
+  MPI_Bcast(tag, 2, MPI_UINT64_T, 0, m.node_comm);
+  m.prefix = "/moekit-ep-" + std::to_string(tag[0]) + "-" + std::to_string(tag[1]);
+  m.num_nvl_bytes = num_nvl_bytes;
+  m.layout_ctrl();
+  m.peers.resize(static_cast<size_t>(m.ranks_per_node));
+  std::string error;
+  try {
+    const std::string mine = m.prefix + "-r" + std::to_string(m.local_rank);
+    m.own_ctrl = Mapping::create(mine + "-ctrl", m.ctrl_bytes, true);
+    m.heap = std::make_shared<Heap>(mine);
+    m.heap->add_segment(align_up(static_cast<size_t>(std::max<int64_t>(num_nvl_bytes, 4096)), 4096));
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  int ok = error.empty(), all_ok = 0;
+  MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, m.comm);
+  if (all_ok) {
+    try {
+      for (int p = 0; p < m.ranks_per_node; ++p) {
+        auto& peer = m.peers[static_cast<size_t>(p)];
+        if (p == m.local_rank) {
+          peer.ctrl = m.own_ctrl;
+          peer.segments.push_back(m.heap->segment(0));
+        } else {
+          const std::string theirs = m.prefix + "-r" + std::to_string(p);
+          peer.ctrl = Mapping::open(theirs + "-ctrl");
+          peer.segments.push_back(Mapping::open(theirs + "-s0"));
+        }
+      }
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    ok = error.empty();
+    MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, m.comm);
+  }
+  // Everyone has mapped everything (or given up): the names can go.
+  if (m.own_ctrl) m.own_ctrl->unlink();
+  if (m.heap && m.heap->num_segments() > 0) m.heap->segment(0)->unlink();
+  if (!all_ok) {
+    m.peers.clear();
+    MPI_Comm_free(&m.node_comm);
+    MPI_Comm_free(&m.comm);
+    fail(fn, "shared memory", "every rank to create and map its segments",
+         error.empty() ? "a failure on another rank" : error);
+  }
+}
+
+Buffer::~Buffer() {
+  if (impl_ && impl_->available) {
+    try {
+      destroy();
+    } catch (...) {
+    }
+  }
+}
+
+void Buffer::destroy() {
+  Impl& m = *impl_;
+  if (!m.available) fail("ep::Buffer::destroy", "buffer", "a live buffer", "a destroyed buffer");
+  if (m.pending.valid()) {
+    try {
+      m.pending.wait();
+    } catch (...) {
+    }
+  }
+  m.available = false;
+  // No rank unmaps while another may still write into its memory.
+  std::string error;
+  try {
+    m.barrier(m.comm, "ep::Buffer::destroy");
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  m.peers.clear();
+  m.own_ctrl.reset();
+  m.heap.reset();
+  MPI_Comm_free(&m.node_comm);
+  MPI_Comm_free(&m.comm);
+  if (!error.empty()) throw Error("ep::Buffer::destroy", "communicator", "every rank to call destroy", error);
+}
+
+int Buffer::get_rank() const { return impl_->rank; }
+int Buffer::get_num_ranks() const { return impl_->num_ranks; }
+int Buffer::get_local_rank() const { return impl_->local_rank; }
+int Buffer::get_num_local_ranks() const { return impl_->ranks_per_node; }
+double Buffer::timeout_s() const { return impl_->timeout; }
+bool Buffer::is_available() const { return impl_->available; }
+
+Tensor Buffer::get_local_buffer_tensor() const {
+  if (!impl_->available) fail("ep::Buffer::get_local_buffer_tensor", "buffer", "a live buffer", "a destroyed buffer");
+  auto seg = impl_->heap->segment(0);
+  return Tensor::from_blob_with_owner(seg->data(), {static_cast<int64_t>(impl_->num_nvl_bytes)}, DType::u8, seg);
+}
+
+DispatchLayout Buffer::get_dispatch_layout(const Tensor& topk_idx, int num_experts) const {
+  return detail::compute_dispatch_layout(topk_idx, num_experts, impl_->num_ranks, impl_->ranks_per_node);
+}
+
+Tensor Buffer::alloc_shared(const Shape& shape, DType dtype) {
+  constexpr const char* fn = "ep::Buffer::alloc_shared";
+  Impl& m = *impl_;
+  if (!m.available) fail(fn, "buffer", "a live buffer", "a destroyed buffer");
+  Tensor probe = Tensor::from_blob(reinterpret_cast<void*>(64), shape, dtype);  // validates shape
+  const size_t bytes = static_cast<size_t>(probe.numel()) * element_size(dtype);
+  // Only within this rank's existing segments: growing the heap needs every peer to map the
+  // new segment, which only a collective operation can arrange.
+  int seg = 0;
+  size_t off = 0;
+  const size_t rounded = align_up(std::max<size_t>(bytes, 64), 4096);
+  if (!m.heap->try_alloc(rounded, seg, off))
+    fail(fn, "shape", "a tensor that fits in the free shared memory (raise num_nvl_bytes)",
+         shape_str(shape) + " = " + std::to_string(bytes) + " bytes");
+  auto block = std::make_shared<Block>();
+  block->heap = m.heap;
+  block->map = m.heap->segment(seg);
+  block->seg = seg;
+  block->off = off;
+  block->bytes = rounded;
+  return Tensor::from_blob_with_owner(block->data(), shape, dtype, block);
+}
+
+}  // namespace moekit::ep

@@ -1,0 +1,429 @@
+// Internals of ep::Buffer shared by its translation units (buffer.cpp: construction and
+// control; intranode.cpp: dispatch and combine). See buffer.cpp for the protocol.
+#pragma once
+
+#include <sched.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <future>
+#include <map>
+#include <mutex>
+#include <numeric>
+#include <sstream>
+#include <thread>
+
+#include <immintrin.h>
+
+#include "core/check.h"
+#include "cpu/formats/format_kernels.h"
+#include "ep/copy.h"
+#include "ep/layout.h"
+#include "ep/shm.h"
+#include "moekit/ep.h"
+#include "moekit/runtime.h"
+
+namespace moekit::ep {
+
+using detail::Mapping;
+using moekit::detail::fail;
+
+namespace detail {
+
+inline std::string join(const std::vector<int>& v) {
+  std::string s;
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  return s;
+}
+
+inline std::string seconds_str(double s) {
+  std::ostringstream o;
+  o << s;
+  return o.str();
+}
+
+constexpr size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
+
+inline double env_double(const char* name, double fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  char* end = nullptr;
+  const double d = std::strtod(v, &end);
+  if (*end != '\0' || !(d > 0)) fail("ep::Buffer", name, "a positive number", v);
+  return d;
+}
+
+inline int env_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  char* end = nullptr;
+  const long d = std::strtol(v, &end, 10);
+  if (*end != '\0' || d < 1 || d > 1 << 20) fail("ep::Buffer", name, "a positive integer", v);
+  return static_cast<int>(d);
+}
+
+// ---- the per-rank heap of shared data segments ----
+
+class Heap {
+ public:
+  explicit Heap(std::string prefix) : prefix_(std::move(prefix)) {}
+
+  // Returns the segment index; the mapping is created (and touched) here.
+  int add_segment(size_t bytes) {
+    std::lock_guard lock(mu_);
+    const int index = static_cast<int>(segments_.size());
+    Segment s;
+    s.map = Mapping::create(prefix_ + "-s" + std::to_string(index), bytes, true);
+    s.free[0] = bytes;
+    segments_.push_back(std::move(s));
+    return index;
+  }
+
+  bool try_alloc(size_t bytes, int& seg, size_t& off) {
+    std::lock_guard lock(mu_);
+    for (size_t i = 0; i < segments_.size(); ++i) {
+      auto& free = segments_[i].free;
+      for (auto it = free.begin(); it != free.end(); ++it) {
+        if (it->second < bytes) continue;
+        seg = static_cast<int>(i);
+        off = it->first;
+        const size_t rest = it->second - bytes;
+        free.erase(it);
+        if (rest) free[off + bytes] = rest;
+        return true;
+      }
+    }
+    return false;
+  }
+
+  void release(int seg, size_t off, size_t bytes) {
+    std::lock_guard lock(mu_);
+    auto& free = segments_[static_cast<size_t>(seg)].free;
+    auto next = free.lower_bound(off);
+    if (next != free.end() && off + bytes == next->first) {
+      bytes += next->second;
+      next = free.erase(next);
+    }
+    if (next != free.begin()) {
+      auto prev = std::prev(next);
+      if (prev->first + prev->second == off) {
+        prev->second += bytes;
+        return;
+      }
+    }
+    free[off] = bytes;
+  }
+
+  std::shared_ptr<Mapping> segment(int i) {
+    std::lock_guard lock(mu_);
+    return segments_[static_cast<size_t>(i)].map;
+  }
+  int num_segments() {
+    std::lock_guard lock(mu_);
+    return static_cast<int>(segments_.size());
+  }
+  // Which segment holds [p, p + n), or -1.
+  int find(const void* p, size_t n, size_t& off) {
+    std::lock_guard lock(mu_);
+    for (size_t i = 0; i < segments_.size(); ++i)
+      if (segments_[i].map->contains(p, n)) {
+        off = static_cast<size_t>(static_cast<const char*>(p) - segments_[i].map->data());
+        return static_cast<int>(i);
+      }
+    return -1;
+  }
+
+ private:
+  struct Segment {
+    std::shared_ptr<Mapping> map;
+    std::map<size_t, size_t> free;  // offset -> bytes
+  };
+  std::mutex mu_;
+  std::string prefix_;
+  std::vector<Segment> segments_;
+};
+
+// One allocation in a heap; returned tensors hold it (through shared_ptr) so the memory is
+// reused only after the caller dropped every tensor in it.
+struct Block {
+  std::shared_ptr<Heap> heap;
+  std::shared_ptr<Mapping> map;  // keeps the pages mapped even after Buffer::destroy
+  int seg = 0;
+  size_t off = 0, bytes = 0;
+  char* data() const { return map->data() + off; }
+  ~Block() { heap->release(seg, off, bytes); }
+};
+
+// Where the tensors of one received block sit (same arithmetic on sender and receiver).
+struct RecvLayout {
+  size_t x = 0, scales = 0, topk_idx = 0, topk_weights = 0, src_idx = 0, bytes = 0;
+  RecvLayout(int64_t rows, size_t row_bytes, int64_t scale_cols, int64_t topk) {
+    const size_t r = static_cast<size_t>(rows);
+    size_t at = align_up(r * row_bytes, 64);
+    scales = at, at = align_up(at + r * static_cast<size_t>(scale_cols) * 4, 64);
+    topk_idx = at, at = align_up(at + r * static_cast<size_t>(topk) * 8, 64);
+    topk_weights = at, at = align_up(at + r * static_cast<size_t>(topk) * 4, 64);
+    src_idx = at, at = align_up(at + r * 4, 64);
+    bytes = std::max<size_t>(at, 64);
+  }
+};
+
+// ---- metadata published in the control segment ----
+enum Meta : int {
+  kError,      // 1 when the rank abandoned the operation (bad arguments)
+  kHidden,
+  kDtype,
+  kTopk,
+  kExperts,
+  kTokens,
+  kWorst,
+  kSeg,        // where peers write (dispatch: receive block; combine: staging)
+  kOff,
+  kNumSegs,    // this rank's heap segment count (peers map new ones)
+  kInPlace,    // combine: x offered in place
+  kXSeg,
+  kXOff,
+  kXStride,
+  kMetaCount = 16,
+};
+
+constexpr uint64_t kPhaseCounts = 1, kPhaseAlloc = 2, kPhaseData = 3, kPhaseRead = 4;
+
+struct HandleState {
+  uint64_t buffer_id = 0;
+  int num_ranks = 0, rank = 0;
+  int64_t tokens = 0, rows = 0;        // rows = allocated receive rows (worst case or exact)
+  Tensor send_head;                    // i32 [T, R], the public handle's tensor
+  std::vector<int64_t> counts;         // [s * R + d]: tokens rank s sends to rank d
+  std::vector<std::vector<int32_t>> send_tokens;  // per destination, ascending
+  int64_t count(int s, int d) const { return counts[static_cast<size_t>(s * num_ranks + d)]; }
+  int64_t recv_before(int s, int d) const {  // rows of d's block that precede source s
+    int64_t n = 0;
+    for (int q = 0; q < s; ++q) n += count(q, d);
+    return n;
+  }
+  int64_t recv_total(int d) const { return recv_before(num_ranks, d); }
+};
+
+
+}  // namespace detail
+using namespace detail;
+
+// ---- the implementation ----
+
+struct EventOverlap::State {
+  std::shared_future<void> done;
+};
+
+struct Buffer::Impl {
+  MPI_Comm comm = MPI_COMM_NULL, node_comm = MPI_COMM_NULL;
+  int rank = 0, num_ranks = 1, local_rank = 0, ranks_per_node = 1;
+  double timeout = 100;
+  uint64_t id = 0;
+  int64_t num_nvl_bytes = 0;
+  bool available = true;
+  std::atomic<bool> broken{false};
+  uint64_t op = 0;
+  std::shared_future<void> pending;
+
+  std::shared_ptr<Heap> heap;
+  std::shared_ptr<Mapping> own_ctrl;
+  struct Peer {
+    std::shared_ptr<Mapping> ctrl;
+    std::vector<std::shared_ptr<Mapping>> segments;
+  };
+  std::vector<Peer> peers;  // by local rank; peers[local_rank] maps this rank's own memory
+  std::string prefix;
+  std::vector<int> unlink_after_op;  // own segments created during the current op
+
+  // Control segment layout.
+  size_t pub_bytes = 0, counts_rank_at = 0, counts_expert_at = 0, ctrl_bytes = 0;
+
+  void layout_ctrl() {
+    const size_t r = static_cast<size_t>(num_ranks);
+    counts_rank_at = kMetaCount * 8;
+    counts_expert_at = align_up(counts_rank_at + r * 4, 64);
+    pub_bytes = align_up(counts_expert_at + detail::kMaxExperts * 4, 64);
+    ctrl_bytes = 64 + r * 64 + 2 * pub_bytes;
+  }
+  std::atomic_ref<uint64_t> ready(int p) const {
+    return std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(peers[static_cast<size_t>(p)].ctrl->data()));
+  }
+  // The flag rank s sets in rank p's control segment.
+  std::atomic_ref<uint64_t> done(int p, int s) const {
+    return std::atomic_ref<uint64_t>(
+        *reinterpret_cast<uint64_t*>(peers[static_cast<size_t>(p)].ctrl->data() + 64 + 64 * static_cast<size_t>(s)));
+  }
+  char* pub(int p) const {
+    return peers[static_cast<size_t>(p)].ctrl->data() + 64 + 64 * static_cast<size_t>(num_ranks) + (op & 1) * pub_bytes;
+  }
+  uint64_t* meta(int p) const { return reinterpret_cast<uint64_t*>(pub(p)); }
+  int32_t* counts_rank(int p) const { return reinterpret_cast<int32_t*>(pub(p) + counts_rank_at); }
+  int32_t* counts_expert(int p) const { return reinterpret_cast<int32_t*>(pub(p) + counts_expert_at); }
+  uint64_t flag(uint64_t phase) const { return op * 8 + phase; }
+
+  // Spins, then yields, then sleeps (ranks may outnumber cores), until pred(p) holds for
+  // every rank p; TimeoutError naming the others after `timeout` seconds.
+  template <class Pred>
+  void wait_all(const char* fn, Pred&& pred) const {
+    const auto start = std::chrono::steady_clock::now();
+    for (uint64_t iter = 0;; ++iter) {
+      bool all = true;
+      for (int p = 0; p < num_ranks && all; ++p) all = pred(p);
+      if (all) return;
+      if (iter < 1024) {
+        _mm_pause();
+        continue;
+      }
+      const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if (waited > timeout) {
+        std::vector<int> silent;
+        for (int p = 0; p < num_ranks; ++p)
+          if (!pred(p)) silent.push_back(p);
+        if (silent.empty()) return;
+        throw TimeoutError(fn, silent, timeout);
+      }
+      if (waited < 0.01) {
+        sched_yield();
+      } else {
+        ::usleep(50);
+      }
+    }
+  }
+  void wait_ready(const char* fn, uint64_t phase) const {
+    const uint64_t v = flag(phase);
+    wait_all(fn, [&](int p) { return ready(p).load(std::memory_order_acquire) >= v; });
+  }
+  void wait_done(const char* fn, uint64_t phase) const {
+    const uint64_t v = flag(phase);
+    wait_all(fn, [&](int s) { return done(local_rank, s).load(std::memory_order_acquire) >= v; });
+  }
+  void publish(uint64_t phase) { ready(local_rank).store(flag(phase), std::memory_order_release); }
+  void signal_all(uint64_t phase) {
+    stream_fence();  // non-temporal stores must be visible before the flag
+    for (int p = 0; p < num_ranks; ++p) done(p, local_rank).store(flag(phase), std::memory_order_release);
+  }
+  static void stream_fence() { detail::stream_fence(); }
+
+  // After a round: any rank that abandoned the op makes every rank raise the same Error.
+  void check_peer_errors(const char* fn) const {
+    for (int p = 0; p < num_ranks; ++p)
+      if (meta(p)[kError] != 0 && p != local_rank)
+        fail(fn, "rank " + std::to_string(p), "valid arguments on every rank",
+             "rank " + std::to_string(p) + " rejected its arguments (see its error)");
+  }
+
+  void begin_op(const char* fn) {
+    if (!available) fail(fn, "buffer", "a live buffer", "a destroyed buffer");
+    if (pending.valid()) {
+      try {
+        pending.wait();
+      } catch (...) {
+      }
+      pending = {};
+    }
+    if (broken.load()) fail(fn, "buffer", "a buffer whose earlier operation completed", "a buffer that timed out; destroy it");
+    ++op;
+    unlink_after_op.clear();
+    std::memset(meta(local_rank), 0, kMetaCount * 8);
+  }
+  // Publishes "this rank gives up" for the current round so no peer waits for it.
+  void abandon() {
+    meta(local_rank)[kError] = 1;
+    publish(kPhaseRead);  // past every round of this op
+    signal_all(kPhaseRead);  // releases peers waiting on data from this rank
+  }
+
+  char* peer_data(int p, uint64_t seg, uint64_t off) {
+    Peer& peer = peers[static_cast<size_t>(p)];
+    return peer.segments[static_cast<size_t>(seg)]->data() + off;
+  }
+  // Maps every segment rank p has announced (every rank maps them in the same op as they
+  // appear, so their creator may remove the names once every peer has signalled).
+  void map_new_segments(int p) {
+    Peer& peer = peers[static_cast<size_t>(p)];
+    const uint64_t n = meta(p)[kNumSegs];
+    while (peer.segments.size() < n) {
+      const size_t i = peer.segments.size();
+      if (p == local_rank) {
+        peer.segments.push_back(heap->segment(static_cast<int>(i)));
+      } else {
+        const std::string name = prefix + "-r" + std::to_string(p) + "-s" + std::to_string(i);
+        peer.segments.push_back(Mapping::open(name));
+      }
+    }
+  }
+
+  std::shared_ptr<Block> allocate(size_t bytes) {
+    bytes = align_up(std::max<size_t>(bytes, 64), 4096);
+    int seg = 0;
+    size_t off = 0;
+    if (!heap->try_alloc(bytes, seg, off)) {
+      const size_t largest = heap->segment(heap->num_segments() - 1)->size();
+      const int fresh = heap->add_segment(align_up(std::max(bytes, largest), 2 << 20));
+      unlink_after_op.push_back(fresh);
+      if (!heap->try_alloc(bytes, seg, off)) fail("ep::Buffer", "allocation", "room in a fresh segment", std::to_string(bytes));
+    }
+    auto block = std::make_shared<Block>();
+    block->heap = heap;
+    block->map = heap->segment(seg);
+    block->seg = seg;
+    block->off = off;
+    block->bytes = bytes;
+    return block;
+  }
+  void finish_op_segments() {
+    for (int s : unlink_after_op) heap->segment(s)->unlink();
+    unlink_after_op.clear();
+  }
+
+  int copy_threads(const std::optional<Config>& config) const {
+    const int want = config ? config->num_sms : Buffer::get_dispatch_config(ranks_per_node).num_sms;
+    return std::clamp(std::min(want, num_threads()), 1, 256);
+  }
+
+  EventOverlap run(bool async, std::function<void()> task) {
+    auto guarded = [this, task = std::move(task)] {
+      try {
+        task();
+      } catch (const TimeoutError&) {
+        broken.store(true);
+        throw;
+      }
+    };
+    if (!async) {
+      guarded();
+      return {};
+    }
+    pending = std::async(std::launch::async, std::move(guarded)).share();
+    auto state = std::make_shared<EventOverlap::State>();
+    state->done = pending;
+    return EventOverlap(std::move(state));
+  }
+
+  // MPI waits never block forever either.
+  void mpi_wait(MPI_Request& req, const char* what) const {
+    const auto start = std::chrono::steady_clock::now();
+    for (;;) {
+      int flag = 0;
+      MPI_Test(&req, &flag, MPI_STATUS_IGNORE);
+      if (flag) return;
+      const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if (waited > timeout)
+        fail(what, "communicator", "every rank to join within " + seconds_str(timeout) + " s",
+             "a rank that did not join (MPI request still pending)");
+      ::usleep(100);
+    }
+  }
+  void barrier(MPI_Comm c, const char* what) const {
+    MPI_Request req;
+    MPI_Ibarrier(c, &req);
+    mpi_wait(req, what);
+  }
+};
+
+}  // namespace moekit::ep

@@ -1,0 +1,473 @@
+// Normal dispatch and combine between the ranks of one node (protocol: buffer.cpp).
+#include <algorithm>
+#include <cstring>
+
+#include "ep/buffer_impl.h"
+
+namespace moekit::ep {
+namespace {
+
+constexpr const char* kDispatch = "ep::Buffer::dispatch";
+constexpr const char* kCombine = "ep::Buffer::combine";
+constexpr uint64_t kCodeBf16 = 1, kCodeE4m3 = 2;
+
+using moekit::detail::check_cpu_matrix;
+using moekit::detail::check_shape;
+using moekit::detail::ceil_div;
+
+// A dispatch's local inputs, validated.
+struct DispatchPlan {
+  int64_t tokens = 0, hidden = 0, topk = 0, experts = 0, scale_cols = 0;
+  size_t row_bytes = 0;
+  bool fp8 = false;
+  std::shared_ptr<const HandleState> cached;
+  std::vector<int32_t> per_expert;                  // fresh mode only
+  std::vector<std::vector<int32_t>> send_tokens;    // per destination, ascending
+  Tensor is_token_in_rank;                          // bool [T, R], contiguous
+};
+
+const HandleState& handle_state(const char* fn, const DispatchHandle& handle, uint64_t buffer_id, int num_ranks) {
+  if (!handle.defined()) fail(fn, "handle", "a handle returned by dispatch", "an empty handle");
+  const auto& hs = *static_cast<const HandleState*>(handle.internal.get());
+  if (hs.buffer_id != buffer_id || hs.num_ranks != num_ranks)
+    fail(fn, "handle", "a handle from a dispatch on this buffer", "a handle from another buffer");
+  return hs;
+}
+
+DispatchPlan plan_dispatch(const DispatchArgs& a, int num_ranks, uint64_t buffer_id) {
+  const char* fn = kDispatch;
+  DispatchPlan p;
+  check_cpu_matrix(fn, "x", a.x, {DType::bf16, DType::e4m3});
+  p.tokens = a.x.size(0);
+  p.hidden = a.x.size(1);
+  p.fp8 = a.x.dtype() == DType::e4m3;
+  p.row_bytes = static_cast<size_t>(p.hidden) * a.x.element_size();
+  if (p.fp8) {
+    p.scale_cols = ceil_div(p.hidden, 128);
+    check_cpu_matrix(fn, "x_scales", a.x_scales, {DType::f32});
+    check_shape(fn, "x_scales", a.x_scales, {p.tokens, p.scale_cols});
+  } else if (a.x_scales.defined()) {
+    fail(fn, "x_scales", "no scales with bf16 x", a.x_scales.str());
+  }
+  if (a.expert_alignment < 1) fail(fn, "expert_alignment", ">= 1", std::to_string(a.expert_alignment));
+  if (a.num_worst_tokens < 0) fail(fn, "num_worst_tokens", ">= 0", std::to_string(a.num_worst_tokens));
+
+  if (a.handle) {
+    const HandleState& hs = handle_state(fn, *a.handle, buffer_id, num_ranks);
+    p.cached = std::static_pointer_cast<const HandleState>(a.handle->internal);
+    if (hs.tokens != p.tokens)
+      fail(fn, "x", "the handle's token count " + std::to_string(hs.tokens), std::to_string(p.tokens));
+    if (a.topk_idx.defined() || a.topk_weights.defined())
+      fail(fn, "topk_idx", "no top-k inputs with a cached handle", "top-k tensors");
+    p.send_tokens = hs.send_tokens;
+    p.is_token_in_rank = a.handle->is_token_in_rank;
+    return p;
+  }
+
+  check_cpu_matrix(fn, "is_token_in_rank", a.is_token_in_rank, {DType::boolean});
+  check_shape(fn, "is_token_in_rank", a.is_token_in_rank, {p.tokens, num_ranks});
+  check_cpu_matrix(fn, "num_tokens_per_expert", a.num_tokens_per_expert.dim() == 1
+                       ? a.num_tokens_per_expert.reshape({1, -1}) : a.num_tokens_per_expert, {DType::i32});
+  p.experts = a.num_tokens_per_expert.numel();
+  if (a.num_tokens_per_expert.dim() != 1 || p.experts % num_ranks != 0 || p.experts == 0 || p.experts > kMaxExperts)
+    fail(fn, "num_tokens_per_expert", "i32 [E] with E a positive multiple of " + std::to_string(num_ranks) +
+             ", at most " + std::to_string(kMaxExperts), a.num_tokens_per_expert.str());
+  if (!a.num_tokens_per_rank.defined() || a.num_tokens_per_rank.dtype() != DType::i32 ||
+      a.num_tokens_per_rank.dim() != 1 || a.num_tokens_per_rank.size(0) != num_ranks)
+    fail(fn, "num_tokens_per_rank", "i32 [" + std::to_string(num_ranks) + "]",
+         a.num_tokens_per_rank.defined() ? a.num_tokens_per_rank.str() : "undefined");
+  p.per_expert.resize(static_cast<size_t>(p.experts));
+  for (int64_t e = 0; e < p.experts; ++e)
+    p.per_expert[static_cast<size_t>(e)] = a.num_tokens_per_expert.data_ptr<int32_t>()[e * a.num_tokens_per_expert.stride(0)];
+
+  if (a.topk_idx.defined()) {
+    check_cpu_matrix(fn, "topk_idx", a.topk_idx, {DType::i64});
+    if (a.topk_idx.size(0) != p.tokens)
+      fail(fn, "topk_idx", std::to_string(p.tokens) + " rows (as x)", a.topk_idx.str());
+    p.topk = a.topk_idx.size(1);
+    check_cpu_matrix(fn, "topk_weights", a.topk_weights, {DType::f32});
+    check_shape(fn, "topk_weights", a.topk_weights, {p.tokens, p.topk});
+    for (int64_t t = 0; t < p.tokens; ++t)
+      for (int64_t j = 0; j < p.topk; ++j) {
+        const int64_t e = a.topk_idx.data_ptr<int64_t>()[t * a.topk_idx.stride(0) + j];
+        if (e < -1 || e >= p.experts)
+          fail(fn, "topk_idx[" + std::to_string(t) + ", " + std::to_string(j) + "]",
+               "an expert id in [0, " + std::to_string(p.experts) + ") or -1", std::to_string(e));
+      }
+  } else if (a.topk_weights.defined()) {
+    fail(fn, "topk_weights", "no weights without topk_idx", a.topk_weights.str());
+  }
+
+  p.is_token_in_rank = a.is_token_in_rank.contiguous();
+  p.send_tokens.assign(static_cast<size_t>(num_ranks), {});
+  const bool* in_rank = p.is_token_in_rank.data_ptr<bool>();
+  for (int64_t t = 0; t < p.tokens; ++t)
+    for (int d = 0; d < num_ranks; ++d)
+      if (in_rank[t * num_ranks + d]) p.send_tokens[static_cast<size_t>(d)].push_back(static_cast<int32_t>(t));
+  for (int d = 0; d < num_ranks; ++d) {
+    const int64_t given = a.num_tokens_per_rank.data_ptr<int32_t>()[d * a.num_tokens_per_rank.stride(0)];
+    const auto counted = static_cast<int64_t>(p.send_tokens[static_cast<size_t>(d)].size());
+    if (given != counted)
+      fail(fn, "num_tokens_per_rank[" + std::to_string(d) + "]",
+           std::to_string(counted) + " (the tokens is_token_in_rank sends there)", std::to_string(given));
+  }
+  return p;
+}
+
+// Every rank compares every rank's published shape with rank 0's, so all reach the same verdict.
+void check_same_everywhere(const Buffer::Impl& m, const char* fn, Meta field, const char* what) {
+  for (int p = 1; p < m.num_ranks; ++p)
+    if (m.meta(p)[field] != m.meta(0)[field])
+      fail(fn, what, "the same value on every rank (" + std::to_string(m.meta(0)[field]) + " on rank 0)",
+           std::to_string(m.meta(p)[field]) + " on rank " + std::to_string(p));
+}
+
+template <class Body>
+void parallel_chunks(int threads, int64_t n, Body&& body) {
+  if (threads <= 1 || n < 2) {
+    if (n > 0) body(int64_t{0}, n);
+    return;
+  }
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t c = 0; c < threads; ++c) {
+    const int64_t begin = n * c / threads, end = n * (c + 1) / threads;
+    if (begin < end) body(begin, end);
+  }
+}
+
+}  // namespace
+
+DispatchResult Buffer::dispatch(const DispatchArgs& a) {
+  Impl& m = *impl_;
+  m.begin_op(kDispatch);
+  const int R = m.num_ranks, me = m.rank;
+  DispatchPlan plan;
+  try {
+    plan = plan_dispatch(a, R, m.id);
+  } catch (...) {
+    m.abandon();
+    throw;
+  }
+
+  // Round 1: shapes and counts.
+  uint64_t* mine = m.meta(me);
+  mine[kHidden] = static_cast<uint64_t>(plan.hidden);
+  mine[kDtype] = plan.fp8 ? kCodeE4m3 : kCodeBf16;
+  mine[kTopk] = static_cast<uint64_t>(plan.topk);
+  mine[kExperts] = static_cast<uint64_t>(plan.experts);
+  mine[kWorst] = static_cast<uint64_t>(a.num_worst_tokens);
+  for (int d = 0; d < R; ++d) m.counts_rank(me)[d] = static_cast<int32_t>(plan.send_tokens[static_cast<size_t>(d)].size());
+  std::copy(plan.per_expert.begin(), plan.per_expert.end(), m.counts_expert(me));
+  m.publish(kPhaseCounts);
+  m.wait_ready(kDispatch, kPhaseCounts);
+  m.check_peer_errors(kDispatch);
+  check_same_everywhere(m, kDispatch, kHidden, "x (hidden size)");
+  check_same_everywhere(m, kDispatch, kDtype, "x (dtype)");
+  check_same_everywhere(m, kDispatch, kTopk, "topk_idx (top-k, 0 = none or cached)");
+  check_same_everywhere(m, kDispatch, kExperts, "num_tokens_per_expert (experts, 0 = cached)");
+  check_same_everywhere(m, kDispatch, kWorst, "num_worst_tokens");
+
+  auto hs = std::make_shared<HandleState>();
+  hs->buffer_id = m.id;
+  hs->num_ranks = R;
+  hs->rank = me;
+  hs->tokens = plan.tokens;
+  hs->counts.resize(static_cast<size_t>(R * R));
+  for (int s = 0; s < R; ++s)
+    for (int d = 0; d < R; ++d) hs->counts[static_cast<size_t>(s * R + d)] = m.counts_rank(s)[d];
+  for (int d = 0; d < R; ++d)
+    if (a.num_worst_tokens > 0 && hs->recv_total(d) > a.num_worst_tokens)
+      fail(kDispatch, "num_worst_tokens", ">= the rows every rank receives",
+           std::to_string(a.num_worst_tokens) + " < " + std::to_string(hs->recv_total(d)) + " rows for rank " + std::to_string(d));
+  const int64_t num_recv = hs->recv_total(me);
+  hs->rows = a.num_worst_tokens > 0 ? a.num_worst_tokens : num_recv;
+  hs->send_tokens = std::move(plan.send_tokens);
+
+  DispatchResult out;
+  if (!plan.cached && a.num_worst_tokens == 0) {
+    const int64_t per_rank = plan.experts / R;
+    for (int64_t j = 0; j < per_rank; ++j) {
+      int64_t n = 0;
+      for (int s = 0; s < R; ++s) n += m.counts_expert(s)[me * per_rank + j];
+      n = ceil_div(n, a.expert_alignment) * a.expert_alignment;
+      out.num_recv_tokens_per_expert_list.push_back(static_cast<int>(n));
+    }
+  }
+
+  // Round 2: the receive block, where senders write.
+  const RecvLayout layout(hs->rows, plan.row_bytes, plan.scale_cols, plan.topk);
+  std::shared_ptr<Block> block;
+  try {
+    block = m.allocate(layout.bytes);
+  } catch (...) {
+    m.abandon();
+    throw;
+  }
+  mine[kSeg] = static_cast<uint64_t>(block->seg);
+  mine[kOff] = block->off;
+  mine[kNumSegs] = static_cast<uint64_t>(m.heap->num_segments());
+  m.publish(kPhaseAlloc);
+  m.wait_ready(kDispatch, kPhaseAlloc);
+  m.check_peer_errors(kDispatch);
+
+  // The results, valid once the event completes.
+  char* base = block->data();
+  out.recv_x = Tensor::from_blob_with_owner(base + layout.x, {hs->rows, plan.hidden}, a.x.dtype(), block);
+  if (plan.fp8)
+    out.recv_x_scales = Tensor::from_blob_with_owner(base + layout.scales, {hs->rows, plan.scale_cols}, DType::f32, block);
+  if (plan.topk > 0) {
+    out.recv_topk_idx = Tensor::from_blob_with_owner(base + layout.topk_idx, {hs->rows, plan.topk}, DType::i64, block);
+    out.recv_topk_weights = Tensor::from_blob_with_owner(base + layout.topk_weights, {hs->rows, plan.topk}, DType::f32, block);
+  }
+  DispatchHandle& h = out.handle;
+  h.rank_prefix_matrix = Tensor::empty({R, R}, DType::i32);
+  for (int d = 0; d < R; ++d)
+    for (int s = 0, acc = 0; s < R; ++s) h.rank_prefix_matrix.data_ptr<int32_t>()[s * R + d] = acc += static_cast<int32_t>(hs->count(s, d));
+  h.recv_src_idx = Tensor::empty({hs->rows}, DType::i32);
+  h.is_token_in_rank = plan.cached ? plan.is_token_in_rank : plan.is_token_in_rank.contiguous();
+  if (!plan.cached && h.is_token_in_rank.data() == a.is_token_in_rank.data()) {
+    h.is_token_in_rank = Tensor::empty({plan.tokens, R}, DType::boolean);
+    h.is_token_in_rank.copy_from(plan.is_token_in_rank);
+  }
+  h.send_head = Tensor::empty({plan.tokens, R}, DType::i32);
+  std::fill_n(h.send_head.data_ptr<int32_t>(), plan.tokens * R, -1);
+  for (int d = 0; d < R; ++d) {
+    const auto& list = hs->send_tokens[static_cast<size_t>(d)];
+    for (size_t j = 0; j < list.size(); ++j) h.send_head.data_ptr<int32_t>()[list[j] * R + d] = static_cast<int32_t>(j);
+  }
+  h.num_recv_tokens = num_recv;
+  h.hidden = plan.hidden;
+  hs->send_head = h.send_head;
+  h.internal = hs;
+
+  // Round 3 (on the event when async): every sender writes its rows into every receiver.
+  const int threads = m.copy_threads(a.config);
+  const int64_t worst = a.num_worst_tokens;
+  Tensor x = a.x, x_scales = a.x_scales, topk_idx = a.topk_idx, topk_weights = a.topk_weights;
+  Tensor recv_src_idx = h.recv_src_idx;
+  out.event = m.run(a.async_finish, [&m, hs, block, layout, plan_hidden = plan.hidden, row_bytes = plan.row_bytes,
+                                     scale_cols = plan.scale_cols, topk = plan.topk, experts = plan.experts, worst,
+                                     threads, x, x_scales, topk_idx, topk_weights, recv_src_idx] {
+    const int R = m.num_ranks, me = m.rank;
+    for (int d = 0; d < R; ++d) m.map_new_segments(d);
+    // Work items: (destination, first token, last token) in chunks, so threads share evenly.
+    struct Item { int d; int64_t begin, end; };
+    std::vector<Item> items;
+    for (int d = 0; d < R; ++d) {
+      const int64_t n = static_cast<int64_t>(hs->send_tokens[static_cast<size_t>(d)].size());
+      for (int64_t b = 0; b < n; b += 64) items.push_back({d, b, std::min(n, b + 64)});
+    }
+    const int64_t experts_per_rank = experts > 0 ? experts / R : 0;
+    parallel_chunks(threads, static_cast<int64_t>(items.size()), [&](int64_t first, int64_t last) {
+      for (int64_t i = first; i < last; ++i) {
+        const Item& it = items[static_cast<size_t>(i)];
+        const uint64_t* dm = m.meta(it.d);
+        char* dst = m.peer_data(it.d, dm[kSeg], dm[kOff]);
+        const int64_t dst_rows = worst > 0 ? worst : hs->recv_total(it.d);
+        const RecvLayout dl(dst_rows, row_bytes, scale_cols, topk);
+        const int64_t start = hs->recv_before(me, it.d);
+        const auto& list = hs->send_tokens[static_cast<size_t>(it.d)];
+        for (int64_t j = it.begin; j < it.end; ++j) {
+          const int64_t t = list[static_cast<size_t>(j)], row = start + j;
+          detail::copy_stream(dst + dl.x + static_cast<size_t>(row) * row_bytes,
+                              static_cast<const char*>(x.data()) + t * x.stride(0) * static_cast<int64_t>(x.element_size()), row_bytes);
+          if (scale_cols > 0)
+            std::memcpy(dst + dl.scales + static_cast<size_t>(row * scale_cols) * 4,
+                        x_scales.data_ptr<float>() + t * x_scales.stride(0), static_cast<size_t>(scale_cols) * 4);
+          for (int64_t q = 0; q < topk; ++q) {
+            const int64_t e = topk_idx.data_ptr<int64_t>()[t * topk_idx.stride(0) + q];
+            const bool local = e >= it.d * experts_per_rank && e < (it.d + 1) * experts_per_rank;
+            reinterpret_cast<int64_t*>(dst + dl.topk_idx)[row * topk + q] = local ? e - it.d * experts_per_rank : -1;
+            reinterpret_cast<float*>(dst + dl.topk_weights)[row * topk + q] =
+                local ? topk_weights.data_ptr<float>()[t * topk_weights.stride(0) + q] : 0.0f;
+          }
+          reinterpret_cast<int32_t*>(dst + dl.src_idx)[row] = static_cast<int32_t>(t);
+        }
+      }
+    });
+    // Worst-case padding of this rank's own block.
+    char* own = block->data();
+    for (int64_t row = hs->recv_total(me); row < hs->rows; ++row) {
+      for (int64_t q = 0; q < topk; ++q) {
+        reinterpret_cast<int64_t*>(own + layout.topk_idx)[row * topk + q] = -1;
+        reinterpret_cast<float*>(own + layout.topk_weights)[row * topk + q] = 0.0f;
+      }
+      reinterpret_cast<int32_t*>(own + layout.src_idx)[row] = -1;
+    }
+    m.signal_all(kPhaseData);
+    m.wait_done(kDispatch, kPhaseData);
+    m.check_peer_errors(kDispatch);
+    m.finish_op_segments();
+    std::memcpy(recv_src_idx.data(), own + layout.src_idx, static_cast<size_t>(hs->rows) * 4);
+    (void)plan_hidden;
+  });
+  return out;
+}
+
+CombineResult Buffer::combine(const CombineArgs& a) {
+  Impl& m = *impl_;
+  m.begin_op(kCombine);
+  const int R = m.num_ranks, me = m.rank;
+  const HandleState* hs_ptr = nullptr;
+  int64_t hidden = 0, topk = 0;
+  try {
+    hs_ptr = &handle_state(kCombine, a.handle, m.id, R);
+    check_cpu_matrix(kCombine, "x", a.x, {DType::bf16});
+    if (a.x.size(0) != hs_ptr->rows)
+      fail(kCombine, "x", std::to_string(hs_ptr->rows) + " rows (the dispatch's received rows)", a.x.str());
+    hidden = a.x.size(1);
+    if (a.topk_weights.defined()) {
+      check_cpu_matrix(kCombine, "topk_weights", a.topk_weights, {DType::f32});
+      if (a.topk_weights.size(0) != hs_ptr->rows)
+        fail(kCombine, "topk_weights", std::to_string(hs_ptr->rows) + " rows", a.topk_weights.str());
+      topk = a.topk_weights.size(1);
+    }
+    for (const auto* bias : {&a.bias_0, &a.bias_1})
+      if (bias->defined()) {
+        const char* name = bias == &a.bias_0 ? "bias_0" : "bias_1";
+        check_cpu_matrix(kCombine, name, *bias, {DType::bf16});
+        check_shape(kCombine, name, *bias, {hs_ptr->tokens, hidden});
+      }
+  } catch (...) {
+    m.abandon();
+    throw;
+  }
+  const HandleState& hs = *hs_ptr;
+  auto keep_handle = std::static_pointer_cast<const HandleState>(a.handle.internal);
+
+  // Round 1: the owner's staging area (rows it sent, in the order it sent them) and, when x
+  // already lives in this rank's shared memory, where owners may read it in place.
+  int64_t sent_rows = 0;
+  for (int d = 0; d < R; ++d) sent_rows += hs.count(me, d);
+  const size_t row_bytes = static_cast<size_t>(hidden) * 2;
+  const size_t weights_at = align_up(static_cast<size_t>(sent_rows) * row_bytes, 64);
+  std::shared_ptr<Block> staging;
+  try {
+    staging = m.allocate(weights_at + static_cast<size_t>(sent_rows * topk) * 4);
+  } catch (...) {
+    m.abandon();
+    throw;
+  }
+  uint64_t* mine = m.meta(me);
+  mine[kHidden] = static_cast<uint64_t>(hidden);
+  mine[kTopk] = static_cast<uint64_t>(topk);
+  mine[kSeg] = static_cast<uint64_t>(staging->seg);
+  mine[kOff] = staging->off;
+  mine[kNumSegs] = static_cast<uint64_t>(m.heap->num_segments());
+  if (hs.rows > 0) {
+    const size_t span = static_cast<size_t>((hs.rows - 1) * a.x.stride(0)) * 2 + row_bytes;
+    size_t off = 0;
+    const int seg = m.heap->find(a.x.data(), span, off);
+    if (seg >= 0) {
+      mine[kInPlace] = 1;
+      mine[kXSeg] = static_cast<uint64_t>(seg);
+      mine[kXOff] = off;
+      mine[kXStride] = static_cast<uint64_t>(a.x.stride(0)) * 2;
+    }
+  }
+  m.publish(kPhaseCounts);
+  m.wait_ready(kCombine, kPhaseCounts);
+  m.check_peer_errors(kCombine);
+  check_same_everywhere(m, kCombine, kHidden, "x (hidden size)");
+  check_same_everywhere(m, kCombine, kTopk, "topk_weights (top-k, 0 = none)");
+
+  CombineResult out;
+  out.combined_x = Tensor::empty({hs.tokens, hidden}, DType::bf16);
+  if (topk > 0) out.combined_topk_weights = Tensor::empty({hs.tokens, topk}, DType::f32);
+  const int threads = m.copy_threads(a.config);
+  Tensor x = a.x, weights = a.topk_weights, bias_0 = a.bias_0, bias_1 = a.bias_1;
+  Tensor combined = out.combined_x, combined_w = out.combined_topk_weights;
+  const bool in_place = mine[kInPlace] != 0;
+
+  out.event = m.run(a.async_finish, [&m, keep_handle, staging, x, weights, bias_0, bias_1, combined, combined_w,
+                                     hidden, topk, row_bytes, weights_at, threads, in_place] {
+    const HandleState& hs = *keep_handle;
+    const int R = m.num_ranks, me = m.rank;
+    for (int d = 0; d < R; ++d) m.map_new_segments(d);
+    // Round 2: send each owner back its rows (one contiguous run per owner).
+    for (int s = 0; s < R; ++s) {
+      const int64_t n = hs.count(s, me);
+      if (n == 0) continue;
+      const uint64_t* sm = m.meta(s);
+      char* stage = m.peer_data(s, sm[kSeg], sm[kOff]);
+      int64_t before = 0;  // rows owner s staged for ranks < me
+      for (int q = 0; q < me; ++q) before += hs.count(s, q);
+      const int64_t first = hs.recv_before(s, me);
+      if (!in_place) {
+        const int64_t xs = x.stride(0) * 2;
+        if (xs == static_cast<int64_t>(row_bytes)) {
+          const auto* src = static_cast<const char*>(x.data()) + first * xs;
+          char* dst = stage + static_cast<size_t>(before) * row_bytes;
+          const size_t total = static_cast<size_t>(n) * row_bytes;
+          parallel_chunks(threads, static_cast<int64_t>(total / 4096 + 1), [&](int64_t b, int64_t e) {
+            const size_t lo = std::min(total, static_cast<size_t>(b) * 4096), hi = std::min(total, static_cast<size_t>(e) * 4096);
+            if (hi > lo) detail::copy_stream(dst + lo, src + lo, hi - lo);
+          });
+        } else {
+          for (int64_t r = 0; r < n; ++r)
+            detail::copy_stream(stage + static_cast<size_t>(before + r) * row_bytes,
+                                static_cast<const char*>(x.data()) + (first + r) * xs, row_bytes);
+        }
+      }
+      for (int64_t r = 0; r < n; ++r)
+        std::memcpy(stage + weights_at + static_cast<size_t>((before + r) * topk) * 4,
+                    weights.data_ptr<float>() + (first + r) * weights.stride(0), static_cast<size_t>(topk) * 4);
+    }
+    m.signal_all(kPhaseData);
+    m.wait_done(kCombine, kPhaseData);
+    m.check_peer_errors(kCombine);
+
+    // Reduce: for each token, the rows of every rank that received it, ascending rank, in f32.
+    const char* stage = staging->data();
+    std::vector<int64_t> stage_before(static_cast<size_t>(R) + 1, 0);
+    for (int d = 0; d < R; ++d) stage_before[static_cast<size_t>(d) + 1] = stage_before[static_cast<size_t>(d)] + hs.count(me, d);
+    std::vector<const char*> direct(static_cast<size_t>(R), nullptr);
+    std::vector<int64_t> direct_stride(static_cast<size_t>(R), 0);
+    for (int d = 0; d < R; ++d) {
+      const uint64_t* dm = m.meta(d);
+      if (dm[kInPlace]) {
+        direct[static_cast<size_t>(d)] = m.peer_data(d, dm[kXSeg], dm[kXOff]) + hs.recv_before(me, d) * static_cast<int64_t>(dm[kXStride]);
+        direct_stride[static_cast<size_t>(d)] = static_cast<int64_t>(dm[kXStride]);
+      }
+    }
+    const auto& fk = moekit::detail::format_kernels();
+    const int32_t* head = hs.send_head.data_ptr<int32_t>();
+    parallel_chunks(threads, hs.tokens, [&](int64_t t0, int64_t t1) {
+      std::vector<float> acc(static_cast<size_t>(hidden)), tmp(static_cast<size_t>(hidden));
+      auto add_row = [&](const uint16_t* row, bool first) {
+        fk.bf16_to_f32(row, first ? acc.data() : tmp.data(), hidden);
+        if (!first)
+          for (int64_t i = 0; i < hidden; ++i) acc[static_cast<size_t>(i)] += tmp[static_cast<size_t>(i)];
+      };
+      for (int64_t t = t0; t < t1; ++t) {
+        bool first = true;
+        float* wout = topk > 0 ? combined_w.data_ptr<float>() + t * topk : nullptr;
+        if (wout) std::fill_n(wout, topk, 0.0f);
+        for (int d = 0; d < R; ++d) {
+          const int32_t j = head[t * R + d];
+          if (j < 0) continue;
+          const size_t staged = static_cast<size_t>(stage_before[static_cast<size_t>(d)] + j);
+          const char* row = direct[static_cast<size_t>(d)] ? direct[static_cast<size_t>(d)] + j * direct_stride[static_cast<size_t>(d)]
+                                                           : stage + staged * row_bytes;
+          add_row(reinterpret_cast<const uint16_t*>(row), first);
+          first = false;
+          if (wout) {
+            const float* w = reinterpret_cast<const float*>(stage + weights_at) + staged * static_cast<size_t>(topk);
+            for (int64_t q = 0; q < topk; ++q) wout[q] += w[q];
+          }
+        }
+        if (first) std::fill(acc.begin(), acc.end(), 0.0f);
+        for (const Tensor* bias : {&bias_0, &bias_1})
+          if (bias->defined()) add_row(bias->data_ptr<uint16_t>() + t * bias->stride(0), false);
+        fk.f32_to_bf16(acc.data(), combined.data_ptr<uint16_t>() + t * hidden, hidden);
+      }
+    });
+    // Round 3: owners are done reading; x offered in place may be released.
+    m.signal_all(kPhaseRead);
+    m.wait_done(kCombine, kPhaseRead);
+    m.finish_op_segments();
+  });
+  return out;
+}
+
+}  // namespace moekit::ep

@@ -1,0 +1,46 @@
+// POSIX shared-memory segments for the EP buffers: created by one rank, mapped by every rank
+// of its node. A mapping stays valid after the name is unlinked, so a segment's name is
+// removed as soon as every peer has mapped it (nothing is left in /dev/shm if a rank dies
+// later), and the memory lives for as long as any shared_ptr to the mapping does.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace moekit::ep::detail {
+
+class Mapping {
+ public:
+  // Creates name (exclusive), sizes it and maps it; touch = write every page once so later
+  // copies into it never fault.
+  static std::shared_ptr<Mapping> create(const std::string& name, size_t bytes, bool touch);
+  // Maps an existing segment created by a peer, whole (size from the file; pages populated
+  // up front).
+  static std::shared_ptr<Mapping> open(const std::string& name);
+  ~Mapping();
+  Mapping(const Mapping&) = delete;
+  Mapping& operator=(const Mapping&) = delete;
+
+  char* data() const { return data_; }
+  size_t size() const { return bytes_; }
+  const std::string& name() const { return name_; }
+  // Removes the name (idempotent); the memory stays mapped.
+  void unlink();
+  bool contains(const void* p, size_t n) const {
+    const char* c = static_cast<const char*>(p);
+    return c >= data_ && n <= bytes_ && c <= data_ + (bytes_ - n);
+  }
+
+ private:
+  Mapping(std::string name, char* data, size_t bytes, bool owner)
+      : name_(std::move(name)), data_(data), bytes_(bytes), owner_(owner) {}
+  std::string name_;
+  char* data_;
+  size_t bytes_;
+  bool owner_;
+  bool linked_ = true;
+};
+
+}  // namespace moekit::ep::detail
