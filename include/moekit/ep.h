@@ -128,8 +128,68 @@ struct CombineResult {
   EventOverlap event;
 };
 
+// ---- low-latency mode (decode) ----
+
+// Bytes of num_rdma_bytes that low-latency dispatch/combine with these limits need.
+int64_t get_low_latency_rdma_size_hint(int64_t num_max_dispatch_tokens_per_rank, int64_t hidden, int num_ranks,
+                                       int num_experts);
+
+struct LowLatencyHandle {
+  Tensor src_info;      // i32 [local_E, max * R]: source token index of each received row
+  Tensor layout_range;  // i64 [local_E, R]: begin << 32 | count of the rows from each rank
+  int64_t num_max_dispatch_tokens_per_rank = 0, hidden = 0;
+  int num_experts = 0;
+  std::shared_ptr<const void> internal;
+  bool defined() const { return internal != nullptr; }
+};
+
+struct LowLatencyDispatchArgs {
+  Tensor x;         // bf16 [T, H], T <= num_max_dispatch_tokens_per_rank
+  Tensor topk_idx;  // i64 [T, k], -1 = none
+  int64_t num_max_dispatch_tokens_per_rank = 0;
+  int num_experts = 0;
+  Tensor cumulative_local_expert_recv_stats;  // optional i32 [local_E], incremented
+  bool use_fp8 = true;
+  bool round_scale = false;  // scales rounded up to powers of two
+  bool use_ue8m0 = false;    // scales stored as packed ue8m0 (needs round_scale)
+  bool async_finish = false;
+  bool return_recv_hook = false;
+};
+
+struct LowLatencyDispatchResult {
+  // Rows of expert e: the first recv_count[e] of recv_x[e] are valid, ordered by source rank
+  // then source token. These tensors live in one of the buffer's two alternating low-latency
+  // halves: they stay valid until the second low-latency dispatch after this one.
+  Tensor recv_x;         // bf16 or e4m3 [local_E, max * R, H]
+  Tensor recv_x_scales;  // f32 [local_E, max * R, H / 128], or i32 [..., H / 512] with use_ue8m0
+  Tensor recv_count;     // i32 [local_E]
+  LowLatencyHandle handle;
+  EventOverlap event;
+  std::function<void()> hook;  // set with return_recv_hook: completes the receive
+};
+
+struct LowLatencyCombineArgs {
+  Tensor x;             // bf16 [local_E, max * R, H]: expert outputs in the dispatch's layout
+  Tensor topk_idx;      // i64 [T, k], as given to the dispatch
+  Tensor topk_weights;  // f32 [T, k]
+  LowLatencyHandle handle;
+  bool zero_copy = false;  // x is get_next_low_latency_combine_buffer(handle)
+  bool async_finish = false;
+  bool return_recv_hook = false;
+  Tensor out;  // optional bf16 [T, H]
+};
+
+struct LowLatencyCombineResult {
+  // out[t] = sum_k topk_weights[t, k] * y(t, topk_idx[t, k]) in f32, k ascending, -1 and
+  // masked ranks skipped. Without `out`, a view of the buffer valid until the second
+  // low-latency combine after this one.
+  Tensor combined_x;
+  EventOverlap event;
+  std::function<void()> hook;
+};
+
 struct BufferOptions {
-  bool low_latency_mode = false;
+  bool low_latency_mode = false;  // informational; low-latency ops need num_rdma_bytes
   // Ranks per node; 0 = MOEKIT_EP_RANKS_PER_NODE if set, else the ranks sharing a host.
   int ranks_per_node = 0;
   // Every wait gives up after this long; <= 0 = MOEKIT_EP_TIMEOUT_S if set, else 100 s.
@@ -167,6 +227,18 @@ class Buffer {
   // Collective. Results are in received order: source rank ascending, then source token.
   DispatchResult dispatch(const DispatchArgs& args);
   CombineResult combine(const CombineArgs& args);
+
+  // Low-latency mode: one (token, expert) message each, no layout round, two alternating
+  // buffer halves. Collective over the unmasked ranks.
+  LowLatencyDispatchResult low_latency_dispatch(const LowLatencyDispatchArgs& args);
+  LowLatencyCombineResult low_latency_combine(const LowLatencyCombineArgs& args);
+  // Where the next low_latency_combine reads x from when zero_copy is set: bf16
+  // [local_E, max * R, H] in this rank's shared memory; write expert outputs there.
+  Tensor get_next_low_latency_combine_buffer(const LowLatencyHandle& handle);
+  // Rank masking (local to this rank): masked ranks are skipped by later low-latency ops.
+  void low_latency_update_mask_buffer(int rank, bool mask = true);
+  Tensor low_latency_query_mask_buffer() const;  // i32 [R], 1 = masked
+  void low_latency_clean_mask_buffer();
 
   // CPU extension: a tensor in this rank's shared memory. Passing such a tensor as
   // combine's x lets the owners read it in place (no copy on the expert side).

@@ -102,6 +102,8 @@ Buffer::Buffer(MPI_Comm comm, int64_t num_nvl_bytes, int64_t num_rdma_bytes, Buf
   MPI_Bcast(tag, 2, MPI_UINT64_T, 0, m.node_comm);
   m.prefix = "/moekit-ep-" + std::to_string(tag[0]) + "-" + std::to_string(tag[1]);
   m.num_nvl_bytes = num_nvl_bytes;
+  m.num_rdma_bytes = num_rdma_bytes;
+  m.masked.assign(static_cast<size_t>(m.num_ranks), 0);
   m.layout_ctrl();
   m.peers.resize(static_cast<size_t>(m.ranks_per_node));
   std::string error;
@@ -110,6 +112,10 @@ Buffer::Buffer(MPI_Comm comm, int64_t num_nvl_bytes, int64_t num_rdma_bytes, Buf
     m.own_ctrl = Mapping::create(mine + "-ctrl", m.ctrl_bytes, true);
     m.heap = std::make_shared<Heap>(mine);
     m.heap->add_segment(align_up(static_cast<size_t>(std::max<int64_t>(num_nvl_bytes, 4096)), 4096));
+    // Low-latency halves: pages are allocated when first written (they may be large).
+    if (num_rdma_bytes > 0)
+      m.peers[static_cast<size_t>(m.local_rank)].low_latency =
+          Mapping::create(mine + "-ll", align_up(static_cast<size_t>(num_rdma_bytes), 4096), false);
   } catch (const std::exception& e) {
     error = e.what();
   }
@@ -126,6 +132,7 @@ Buffer::Buffer(MPI_Comm comm, int64_t num_nvl_bytes, int64_t num_rdma_bytes, Buf
           const std::string theirs = m.prefix + "-r" + std::to_string(p);
           peer.ctrl = Mapping::open(theirs + "-ctrl");
           peer.segments.push_back(Mapping::open(theirs + "-s0"));
+          if (num_rdma_bytes > 0) peer.low_latency = Mapping::open(theirs + "-ll", false);
         }
       }
     } catch (const std::exception& e) {
@@ -137,6 +144,8 @@ Buffer::Buffer(MPI_Comm comm, int64_t num_nvl_bytes, int64_t num_rdma_bytes, Buf
   // Everyone has mapped everything (or given up): the names can go.
   if (m.own_ctrl) m.own_ctrl->unlink();
   if (m.heap && m.heap->num_segments() > 0) m.heap->segment(0)->unlink();
+  if (!m.peers.empty() && m.peers[static_cast<size_t>(m.local_rank)].low_latency)
+    m.peers[static_cast<size_t>(m.local_rank)].low_latency->unlink();
   if (!all_ok) {
     m.peers.clear();
     MPI_Comm_free(&m.node_comm);

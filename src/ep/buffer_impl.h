@@ -234,32 +234,56 @@ struct Buffer::Impl {
   std::shared_ptr<Mapping> own_ctrl;
   struct Peer {
     std::shared_ptr<Mapping> ctrl;
+    std::shared_ptr<Mapping> low_latency;  // num_rdma_bytes: two halves
     std::vector<std::shared_ptr<Mapping>> segments;
   };
   std::vector<Peer> peers;  // by local rank; peers[local_rank] maps this rank's own memory
   std::string prefix;
   std::vector<int> unlink_after_op;  // own segments created during the current op
+  int64_t num_rdma_bytes = 0;
+  uint64_t ll_dispatches = 0, ll_combines = 0;
+  std::vector<int> masked;  // by rank, this rank's view
+
+  // Like wait_all, but masked ranks count as answered.
+  template <class Pred>
+  void wait_unmasked(const char* fn, Pred&& pred) const {
+    wait_all(fn, [&](int p) { return masked[static_cast<size_t>(p)] != 0 || pred(p); });
+  }
 
   // Control segment layout.
-  size_t pub_bytes = 0, counts_rank_at = 0, counts_expert_at = 0, ctrl_bytes = 0;
+  size_t pub_bytes = 0, counts_rank_at = 0, counts_expert_at = 0, ctrl_bytes = 0, ll_at = 0, pub_at = 0;
 
+  // Control segment: [ready][done x R][low-latency flags and metadata][publication x 2].
   void layout_ctrl() {
     const size_t r = static_cast<size_t>(num_ranks);
     counts_rank_at = kMetaCount * 8;
     counts_expert_at = align_up(counts_rank_at + r * 4, 64);
     pub_bytes = align_up(counts_expert_at + detail::kMaxExperts * 4, 64);
-    ctrl_bytes = 64 + r * 64 + 2 * pub_bytes;
+    ll_at = 64 + r * 64;
+    pub_at = ll_at + 128 + 2 * r * 64 + 2 * kMetaCount * 8;
+    ctrl_bytes = pub_at + 2 * pub_bytes;
   }
-  std::atomic_ref<uint64_t> ready(int p) const {
-    return std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(peers[static_cast<size_t>(p)].ctrl->data()));
+  std::atomic_ref<uint64_t> flag_at(int p, size_t off) const {
+    return std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(peers[static_cast<size_t>(p)].ctrl->data() + off));
   }
+  std::atomic_ref<uint64_t> ready(int p) const { return flag_at(p, 0); }
   // The flag rank s sets in rank p's control segment.
-  std::atomic_ref<uint64_t> done(int p, int s) const {
-    return std::atomic_ref<uint64_t>(
-        *reinterpret_cast<uint64_t*>(peers[static_cast<size_t>(p)].ctrl->data() + 64 + 64 * static_cast<size_t>(s)));
+  std::atomic_ref<uint64_t> done(int p, int s) const { return flag_at(p, 64 + 64 * static_cast<size_t>(s)); }
+  char* pub(int p) const { return peers[static_cast<size_t>(p)].ctrl->data() + pub_at + (op & 1) * pub_bytes; }
+
+  // Low-latency flags (values are call numbers, starting at 1).
+  std::atomic_ref<uint64_t> ll_sent(int p) const { return flag_at(p, ll_at); }          // send half ready
+  std::atomic_ref<uint64_t> ll_offered(int p) const { return flag_at(p, ll_at + 64); }  // combine x ready
+  // Set by receiver s in rank p's segment: s has gathered p's dispatch / read p's combine rows.
+  std::atomic_ref<uint64_t> ll_gathered(int p, int s) const {
+    return flag_at(p, ll_at + 128 + 64 * static_cast<size_t>(s));
   }
-  char* pub(int p) const {
-    return peers[static_cast<size_t>(p)].ctrl->data() + 64 + 64 * static_cast<size_t>(num_ranks) + (op & 1) * pub_bytes;
+  std::atomic_ref<uint64_t> ll_read(int p, int s) const {
+    return flag_at(p, ll_at + 128 + 64 * static_cast<size_t>(num_ranks + s));
+  }
+  uint64_t* ll_meta(int p, int half) const {
+    return reinterpret_cast<uint64_t*>(peers[static_cast<size_t>(p)].ctrl->data() + ll_at + 128 +
+                                       128 * static_cast<size_t>(num_ranks) + static_cast<size_t>(half) * kMetaCount * 8);
   }
   uint64_t* meta(int p) const { return reinterpret_cast<uint64_t*>(pub(p)); }
   int32_t* counts_rank(int p) const { return reinterpret_cast<int32_t*>(pub(p) + counts_rank_at); }

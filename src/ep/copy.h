@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 namespace moekit::ep::detail {
 
@@ -15,4 +16,21 @@ inline constexpr size_t kStreamMinBytes = 2048;
 
 void copy_stream_avx2(void* dst, const void* src, size_t n);  // n >= 64
 
+// out = bf16(rows[0] + rows[1] + ... + rows[n-1] (+ bias_0) (+ bias_1)), summed in f32 in
+// exactly that order, rounded to nearest even (NaN stays a quiet NaN); n = 0 gives the
+// biases alone (or zeros). Bit-identical across ISA paths.
+void reduce_rows_bf16(uint16_t* out, const uint16_t* const* rows, int n, const uint16_t* bias_0,
+                      const uint16_t* bias_1, int64_t hidden);
+void reduce_rows_bf16_scalar(uint16_t* out, const uint16_t* const* rows, int n, const uint16_t* bias_0,
+                             const uint16_t* bias_1, int64_t begin, int64_t end);
+// out = bf16(sum_i weights[i] * rows[i]) in f32, i ascending, one fused multiply-add per
+// term (std::fma on the portable path); n = 0 gives zeros.
+void reduce_weighted_rows_bf16(uint16_t* out, const uint16_t* const* rows, const float* weights, int n,
+                               int64_t hidden);
+void reduce_weighted_rows_bf16_scalar(uint16_t* out, const uint16_t* const* rows, const float* weights, int n,
+                                      int64_t begin, int64_t end);
+void reduce_weighted_rows_bf16_avx2(uint16_t* out, const uint16_t* const* rows, const float* weights, int n,
+                                    int64_t hidden);
+void reduce_rows_bf16_avx2(uint16_t* out, const uint16_t* const* rows, int n, const uint16_t* bias_0,
+                           const uint16_t* bias_1, int64_t hidden);  // full rows
 }  // namespace moekit::ep::detail

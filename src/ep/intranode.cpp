@@ -341,9 +341,13 @@ CombineResult Buffer::combine(const CombineArgs& a) {
   for (int d = 0; d < R; ++d) sent_rows += hs.count(me, d);
   const size_t row_bytes = static_cast<size_t>(hidden) * 2;
   const size_t weights_at = align_up(static_cast<size_t>(sent_rows) * row_bytes, 64);
-  std::shared_ptr<Block> staging;
+  std::shared_ptr<Block> staging, output;
+  // The output too comes from the heap: its pages are already mapped, where a fresh
+  // allocation of this size would take a page fault per 4 KiB on every call.
+  const size_t out_weights_at = align_up(static_cast<size_t>(hs.tokens) * row_bytes, 64);
   try {
     staging = m.allocate(weights_at + static_cast<size_t>(sent_rows * topk) * 4);
+    output = m.allocate(out_weights_at + static_cast<size_t>(hs.tokens * topk) * 4);
   } catch (...) {
     m.abandon();
     throw;
@@ -372,8 +376,10 @@ CombineResult Buffer::combine(const CombineArgs& a) {
   check_same_everywhere(m, kCombine, kTopk, "topk_weights (top-k, 0 = none)");
 
   CombineResult out;
-  out.combined_x = Tensor::empty({hs.tokens, hidden}, DType::bf16);
-  if (topk > 0) out.combined_topk_weights = Tensor::empty({hs.tokens, topk}, DType::f32);
+  out.combined_x = Tensor::from_blob_with_owner(output->data(), {hs.tokens, hidden}, DType::bf16, output);
+  if (topk > 0)
+    out.combined_topk_weights =
+        Tensor::from_blob_with_owner(output->data() + out_weights_at, {hs.tokens, topk}, DType::f32, output);
   const int threads = m.copy_threads(a.config);
   Tensor x = a.x, weights = a.topk_weights, bias_0 = a.bias_0, bias_1 = a.bias_1;
   Tensor combined = out.combined_x, combined_w = out.combined_topk_weights;
@@ -409,8 +415,9 @@ CombineResult Buffer::combine(const CombineArgs& a) {
                                 static_cast<const char*>(x.data()) + (first + r) * xs, row_bytes);
         }
       }
-      for (int64_t r = 0; r < n; ++r)
-        std::memcpy(stage + weights_at + static_cast<size_t>((before + r) * topk) * 4,
+      if (topk > 0)
+        for (int64_t r = 0; r < n; ++r)
+          std::memcpy(stage + weights_at + static_cast<size_t>((before + r) * topk) * 4,
                     weights.data_ptr<float>() + (first + r) * weights.stride(0), static_cast<size_t>(topk) * 4);
     }
     m.signal_all(kPhaseData);
@@ -430,17 +437,11 @@ CombineResult Buffer::combine(const CombineArgs& a) {
         direct_stride[static_cast<size_t>(d)] = static_cast<int64_t>(dm[kXStride]);
       }
     }
-    const auto& fk = moekit::detail::format_kernels();
     const int32_t* head = hs.send_head.data_ptr<int32_t>();
     parallel_chunks(threads, hs.tokens, [&](int64_t t0, int64_t t1) {
-      std::vector<float> acc(static_cast<size_t>(hidden)), tmp(static_cast<size_t>(hidden));
-      auto add_row = [&](const uint16_t* row, bool first) {
-        fk.bf16_to_f32(row, first ? acc.data() : tmp.data(), hidden);
-        if (!first)
-          for (int64_t i = 0; i < hidden; ++i) acc[static_cast<size_t>(i)] += tmp[static_cast<size_t>(i)];
-      };
+      std::vector<const uint16_t*> rows(static_cast<size_t>(R));
       for (int64_t t = t0; t < t1; ++t) {
-        bool first = true;
+        int n = 0;
         float* wout = topk > 0 ? combined_w.data_ptr<float>() + t * topk : nullptr;
         if (wout) std::fill_n(wout, topk, 0.0f);
         for (int d = 0; d < R; ++d) {
@@ -449,17 +450,15 @@ CombineResult Buffer::combine(const CombineArgs& a) {
           const size_t staged = static_cast<size_t>(stage_before[static_cast<size_t>(d)] + j);
           const char* row = direct[static_cast<size_t>(d)] ? direct[static_cast<size_t>(d)] + j * direct_stride[static_cast<size_t>(d)]
                                                            : stage + staged * row_bytes;
-          add_row(reinterpret_cast<const uint16_t*>(row), first);
-          first = false;
+          rows[static_cast<size_t>(n++)] = reinterpret_cast<const uint16_t*>(row);
           if (wout) {
             const float* w = reinterpret_cast<const float*>(stage + weights_at) + staged * static_cast<size_t>(topk);
             for (int64_t q = 0; q < topk; ++q) wout[q] += w[q];
           }
         }
-        if (first) std::fill(acc.begin(), acc.end(), 0.0f);
-        for (const Tensor* bias : {&bias_0, &bias_1})
-          if (bias->defined()) add_row(bias->data_ptr<uint16_t>() + t * bias->stride(0), false);
-        fk.f32_to_bf16(acc.data(), combined.data_ptr<uint16_t>() + t * hidden, hidden);
+        const uint16_t* b0 = bias_0.defined() ? bias_0.data_ptr<uint16_t>() + t * bias_0.stride(0) : nullptr;
+        const uint16_t* b1 = bias_1.defined() ? bias_1.data_ptr<uint16_t>() + t * bias_1.stride(0) : nullptr;
+        detail::reduce_rows_bf16(combined.data_ptr<uint16_t>() + t * hidden, rows.data(), n, b0, b1, hidden);
       }
     });
     // Round 3: owners are done reading; x offered in place may be released.

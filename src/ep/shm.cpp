@@ -50,7 +50,7 @@ std::shared_ptr<Mapping> Mapping::create(const std::string& name, size_t bytes, 
   return std::shared_ptr<Mapping>(new Mapping(name, data, bytes, true));
 }
 
-std::shared_ptr<Mapping> Mapping::open(const std::string& name) {
+std::shared_ptr<Mapping> Mapping::open(const std::string& name, bool populate) {
   const int fd = ::shm_open(name.c_str(), O_RDWR, 0600);
   if (fd < 0) fail_errno("shm_open(open)", name, errno);
   struct stat st {};
@@ -60,7 +60,7 @@ std::shared_ptr<Mapping> Mapping::open(const std::string& name) {
     fail_errno("fstat", name, err);
   }
   const size_t bytes = static_cast<size_t>(st.st_size);
-  char* data = map_fd(fd, bytes, MAP_POPULATE, name);
+  char* data = map_fd(fd, bytes, populate ? MAP_POPULATE : 0, name);
   auto m = std::shared_ptr<Mapping>(new Mapping(name, data, bytes, false));
   m->linked_ = false;  // the creator owns the name
   return m;

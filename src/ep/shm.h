@@ -17,8 +17,8 @@ class Mapping {
   // copies into it never fault.
   static std::shared_ptr<Mapping> create(const std::string& name, size_t bytes, bool touch);
   // Maps an existing segment created by a peer, whole (size from the file; pages populated
-  // up front).
-  static std::shared_ptr<Mapping> open(const std::string& name);
+  // up front unless populate is false).
+  static std::shared_ptr<Mapping> open(const std::string& name, bool populate = true);
   ~Mapping();
   Mapping(const Mapping&) = delete;
   Mapping& operator=(const Mapping&) = delete;

@@ -60,5 +60,7 @@ struct BenchOptions {
 void bench_formats(const BenchOptions& options);
 void bench_gemm(const BenchOptions& options);
 void bench_grouped(const BenchOptions& options);
+// Under mpirun (initialises MPI when the caller has not).
+void bench_ep(const BenchOptions& options);
 
 }  // namespace moekit::tools

@@ -62,7 +62,7 @@ int main(int argc, char** argv) {
   tools::BenchOptions bench_options;
   std::vector<std::string> suites;
   auto* bench = app.add_subcommand("bench", "run benchmark suites (rows per shared/spec/benchmarks.md)");
-  bench->add_option("suites", suites, "suites: formats, gemm, grouped, all")->required()->check(CLI::IsMember({"formats", "gemm", "grouped", "all"}));
+  bench->add_option("suites", suites, "suites: formats, gemm, grouped, all; ep (under mpirun)")->required()->check(CLI::IsMember({"formats", "gemm", "grouped", "ep", "all"}));
   bench->add_option("--m", bench_options.gemm_m, "gemm: run only these M");
   bench->add_option("--n", bench_options.gemm_n, "gemm: run only the shapes with these N");
   bench->add_flag("--quick", bench_options.quick, "small sizes, few repeats (smoke run)");
@@ -81,6 +81,7 @@ int main(int argc, char** argv) {
         if (s == "formats" || s == "all") tools::bench_formats(bench_options);
         if (s == "gemm" || s == "all") tools::bench_gemm(bench_options);
         if (s == "grouped" || s == "all") tools::bench_grouped(bench_options);
+        if (s == "ep") tools::bench_ep(bench_options);
       }
     }
   } catch (const moekit::Error& e) {

@@ -1,0 +1,448 @@
+// Low-latency dispatch and combine (decode) between the ranks of one node.
+//
+// Pull, not push: a sender quantises its tokens once into its own shared send area and
+// raises one flag; each receiver then gathers, from every sender, the rows of the tokens
+// that chose its experts (source rank, then source token: the order is deterministic), and
+// raises a "gathered" flag that frees the sender's area. Combine mirrors it: each expert rank
+// offers its outputs (in place when they already live in shared memory), each token owner
+// reads the rows it needs and sums them with the routing weights.
+//
+// Every rank's low-latency segment has two halves used by alternating calls, so a call only
+// ever waits for readers of the call before the previous one ("at most two results live").
+#include <algorithm>
+#include <cstring>
+
+#include "ep/buffer_impl.h"
+#include "moekit/formats.h"
+
+namespace moekit::ep {
+namespace {
+
+constexpr const char* kLLDispatch = "ep::Buffer::low_latency_dispatch";
+constexpr const char* kLLCombine = "ep::Buffer::low_latency_combine";
+constexpr int64_t kMaxTopk = 32;
+
+using moekit::detail::ceil_div;
+using moekit::detail::check_cpu_matrix;
+using moekit::detail::check_shape;
+
+// Offsets inside one half of a rank's low-latency segment (same arithmetic on every rank).
+struct LLLayout {
+  int64_t max_tokens = 0, hidden = 0, local_experts = 0, slots = 0, scale_cols = 0;
+  size_t send_x = 0, send_scales = 0, send_topk = 0;
+  size_t recv_x = 0, recv_scales = 0, src_info = 0, layout_range = 0, recv_count = 0;
+  size_t combine_x = 0, combine_out = 0, half_bytes = 0;
+
+  LLLayout(int64_t max, int64_t h, int num_ranks, int num_experts)
+      : max_tokens(max), hidden(h), local_experts(num_experts / num_ranks), slots(max * num_ranks),
+        scale_cols(ceil_div(h, 128)) {
+    const auto m = static_cast<size_t>(max), hb = static_cast<size_t>(h) * 2;
+    const auto rows = static_cast<size_t>(local_experts * slots), sc = static_cast<size_t>(scale_cols) * 4;
+    size_t at = 0;
+    auto take = [&](size_t bytes) {
+      const size_t here = at;
+      at = align_up(at + bytes, 64);
+      return here;
+    };
+    send_x = take(m * hb);  // bf16 rows, or e4m3 rows in the first half of each
+    send_scales = take(m * sc);
+    send_topk = take(m * kMaxTopk * 4);
+    recv_x = take(rows * hb);
+    recv_scales = take(rows * sc);
+    src_info = take(rows * 4);
+    layout_range = take(static_cast<size_t>(local_experts * num_ranks) * 8);
+    recv_count = take(static_cast<size_t>(local_experts) * 4);
+    combine_x = take(rows * hb);
+    combine_out = take(m * hb);
+    half_bytes = align_up(at, 4096);
+  }
+};
+
+enum LLMeta : int {
+  kLLTokens,
+  kLLTopk,
+  kLLHidden,
+  kLLExperts,
+  kLLMax,
+  kLLFp8,       // 0 bf16; 1 fp8 f32 scales; 2 fp8 packed ue8m0
+  kLLXWhere,    // combine: 1 = own low-latency segment, 2 = heap segment
+  kLLXSeg,
+  kLLXOff,
+  kLLXStrideE,  // bytes between experts
+  kLLXStrideR,  // bytes between rows
+  kLLDispatchHalf,
+};
+
+struct LLHandleState {
+  uint64_t buffer_id = 0, call = 0;
+  int half = 0, num_ranks = 0, rank = 0;
+  int64_t tokens = 0, topk = 0;
+  LLLayout layout{1, 128, 1, 1};
+  std::vector<int32_t> recv_count;  // per local expert
+};
+
+struct LLHook {
+  std::function<void()> body;
+  bool done = false;
+};
+
+}  // namespace
+
+int64_t get_low_latency_rdma_size_hint(int64_t num_max_dispatch_tokens_per_rank, int64_t hidden, int num_ranks,
+                                       int num_experts) {
+  constexpr const char* fn = "ep::get_low_latency_rdma_size_hint";
+  if (num_max_dispatch_tokens_per_rank <= 0) fail(fn, "num_max_dispatch_tokens_per_rank", "> 0", std::to_string(num_max_dispatch_tokens_per_rank));
+  if (hidden <= 0) fail(fn, "hidden", "> 0", std::to_string(hidden));
+  if (num_ranks <= 0 || num_experts <= 0 || num_experts % num_ranks != 0)
+    fail(fn, "num_experts", "a positive multiple of num_ranks", std::to_string(num_experts) + " for " + std::to_string(num_ranks) + " ranks");
+  return static_cast<int64_t>(2 * LLLayout(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts).half_bytes);
+}
+
+void Buffer::low_latency_update_mask_buffer(int rank, bool mask) {
+  Impl& m = *impl_;
+  if (rank < 0 || rank >= m.num_ranks)
+    fail("ep::Buffer::low_latency_update_mask_buffer", "rank", "in [0, " + std::to_string(m.num_ranks) + ")", std::to_string(rank));
+  if (rank == m.rank && mask)
+    fail("ep::Buffer::low_latency_update_mask_buffer", "rank", "another rank (a rank cannot mask itself)", std::to_string(rank));
+  m.masked[static_cast<size_t>(rank)] = mask ? 1 : 0;
+}
+
+Tensor Buffer::low_latency_query_mask_buffer() const {
+  Tensor t = Tensor::empty({impl_->num_ranks}, DType::i32);
+  std::copy(impl_->masked.begin(), impl_->masked.end(), t.data_ptr<int32_t>());
+  return t;
+}
+
+void Buffer::low_latency_clean_mask_buffer() { std::fill(impl_->masked.begin(), impl_->masked.end(), 0); }
+
+LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchArgs& a) {
+  Impl& m = *impl_;
+  const char* fn = kLLDispatch;
+  if (!m.available) fail(fn, "buffer", "a live buffer", "a destroyed buffer");
+  if (m.pending.valid()) m.pending.wait();
+  const int R = m.num_ranks, me = m.rank;
+  check_cpu_matrix(fn, "x", a.x, {DType::bf16});
+  check_cpu_matrix(fn, "topk_idx", a.topk_idx, {DType::i64});
+  const int64_t T = a.x.size(0), H = a.x.size(1), k = a.topk_idx.size(1), E = a.num_experts;
+  if (a.topk_idx.size(0) != T) fail(fn, "topk_idx", std::to_string(T) + " rows (as x)", a.topk_idx.str());
+  if (k > kMaxTopk) fail(fn, "topk_idx", "at most " + std::to_string(kMaxTopk) + " columns", a.topk_idx.str());
+  if (E <= 0 || E % R != 0 || E > detail::kMaxExperts)
+    fail(fn, "num_experts", "a positive multiple of " + std::to_string(R), std::to_string(E));
+  if (a.num_max_dispatch_tokens_per_rank < T)
+    fail(fn, "num_max_dispatch_tokens_per_rank", ">= the token count " + std::to_string(T),
+         std::to_string(a.num_max_dispatch_tokens_per_rank));
+  if (a.use_ue8m0 && !(a.use_fp8 && a.round_scale))
+    fail(fn, "use_ue8m0", "use_fp8 and round_scale with use_ue8m0", "use_fp8=" + std::to_string(a.use_fp8) + ", round_scale=" + std::to_string(a.round_scale));
+  if (a.async_finish && a.return_recv_hook) fail(fn, "async_finish", "not together with return_recv_hook", "both set");
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t e = a.topk_idx.data_ptr<int64_t>()[t * a.topk_idx.stride(0) + j];
+      if (e < -1 || e >= E)
+        fail(fn, "topk_idx[" + std::to_string(t) + ", " + std::to_string(j) + "]",
+             "an expert id in [0, " + std::to_string(E) + ") or -1", std::to_string(e));
+    }
+  const LLLayout L(a.num_max_dispatch_tokens_per_rank, H, R, static_cast<int>(E));
+  const int64_t hint = get_low_latency_rdma_size_hint(a.num_max_dispatch_tokens_per_rank, H, R, static_cast<int>(E));
+  if (m.num_rdma_bytes < hint)
+    fail(fn, "num_rdma_bytes", ">= get_low_latency_rdma_size_hint(" + std::to_string(a.num_max_dispatch_tokens_per_rank) + ", " +
+             std::to_string(H) + ", " + std::to_string(R) + ", " + std::to_string(E) + ") = " + std::to_string(hint),
+         std::to_string(m.num_rdma_bytes));
+  const int64_t local_E = E / R;
+  if (a.cumulative_local_expert_recv_stats.defined()) {
+    check_cpu_matrix(fn, "cumulative_local_expert_recv_stats", a.cumulative_local_expert_recv_stats.reshape({1, -1}), {DType::i32});
+    if (a.cumulative_local_expert_recv_stats.numel() != local_E)
+      fail(fn, "cumulative_local_expert_recv_stats", "i32 [" + std::to_string(local_E) + "]", a.cumulative_local_expert_recv_stats.str());
+  }
+
+  // Send: wait until every reader of this half (two calls ago) is done, then fill it.
+  const uint64_t call = ++m.ll_dispatches;
+  const int half = static_cast<int>(call & 1);
+  if (call > 2) m.wait_unmasked(fn, [&](int s) { return m.ll_gathered(me, s).load(std::memory_order_acquire) >= call - 2; });
+  char* own = m.peers[static_cast<size_t>(me)].low_latency->data() + static_cast<size_t>(half) * L.half_bytes;
+  const int fp8_mode = !a.use_fp8 ? 0 : a.use_ue8m0 ? 2 : 1;
+  if (fp8_mode) {
+    per_token_cast_to_fp8_into(a.x, Tensor::from_blob(own + L.send_x, {T, H}, DType::e4m3),
+                               Tensor::from_blob(own + L.send_scales, {T, L.scale_cols}, DType::f32), a.round_scale);
+  } else {
+    for (int64_t t = 0; t < T; ++t)
+      std::memcpy(own + L.send_x + static_cast<size_t>(t * H) * 2, a.x.data_ptr<uint16_t>() + t * a.x.stride(0), static_cast<size_t>(H) * 2);
+  }
+  auto* send_topk = reinterpret_cast<int32_t*>(own + L.send_topk);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < k; ++j) send_topk[t * k + j] = static_cast<int32_t>(a.topk_idx.data_ptr<int64_t>()[t * a.topk_idx.stride(0) + j]);
+  uint64_t* meta = m.ll_meta(me, half);
+  meta[kLLTokens] = static_cast<uint64_t>(T);
+  meta[kLLTopk] = static_cast<uint64_t>(k);
+  meta[kLLHidden] = static_cast<uint64_t>(H);
+  meta[kLLExperts] = static_cast<uint64_t>(E);
+  meta[kLLMax] = static_cast<uint64_t>(a.num_max_dispatch_tokens_per_rank);
+  meta[kLLFp8] = static_cast<uint64_t>(fp8_mode);
+  m.ll_sent(me).store(call, std::memory_order_release);
+
+  // The results: views of this rank's half.
+  auto state = std::make_shared<LLHandleState>();
+  state->buffer_id = m.id;
+  state->call = call;
+  state->half = half;
+  state->num_ranks = R;
+  state->rank = me;
+  state->tokens = T;
+  state->topk = k;
+  state->layout = L;
+  state->recv_count.assign(static_cast<size_t>(local_E), 0);
+  auto seg = m.peers[static_cast<size_t>(me)].low_latency;
+  LowLatencyDispatchResult out;
+  const int64_t slots = L.slots;
+  out.recv_x = Tensor::from_blob_with_owner(own + L.recv_x, {local_E, slots, H}, fp8_mode ? DType::e4m3 : DType::bf16, seg);
+  if (fp8_mode == 1)
+    out.recv_x_scales = Tensor::from_blob_with_owner(own + L.recv_scales, {local_E, slots, L.scale_cols}, DType::f32, seg);
+  if (fp8_mode == 2)
+    out.recv_x_scales = Tensor::from_blob_with_owner(own + L.recv_scales, {local_E, slots, ceil_div(L.scale_cols, 4)}, DType::i32, seg);
+  out.recv_count = Tensor::from_blob_with_owner(own + L.recv_count, {local_E}, DType::i32, seg);
+  out.handle.src_info = Tensor::from_blob_with_owner(own + L.src_info, {local_E, slots}, DType::i32, seg);
+  out.handle.layout_range = Tensor::from_blob_with_owner(own + L.layout_range, {local_E, R}, DType::i64, seg);
+  out.handle.num_max_dispatch_tokens_per_rank = a.num_max_dispatch_tokens_per_rank;
+  out.handle.hidden = H;
+  out.handle.num_experts = static_cast<int>(E);
+  out.handle.internal = state;
+
+  // Receive: gather every unmasked sender's tokens for this rank's experts.
+  Tensor stats = a.cumulative_local_expert_recv_stats;
+  auto receive = [&m, state, own, stats, fn, call, half, fp8_mode] {
+    const int R = m.num_ranks, me = m.rank;
+    const LLLayout& L = state->layout;
+    const int64_t local_E = L.local_experts, H = L.hidden;
+    std::string error;
+    try {
+      m.wait_unmasked(fn, [&](int s) { return m.ll_sent(s).load(std::memory_order_acquire) >= call; });
+      for (int s = 0; s < R; ++s) {
+        if (m.masked[static_cast<size_t>(s)]) continue;
+        const uint64_t* sm = m.ll_meta(s, half);
+        const uint64_t* mine = m.ll_meta(me, half);
+        for (LLMeta f : {kLLHidden, kLLExperts, kLLMax, kLLFp8})
+          if (sm[f] != mine[f])
+            fail(fn, "rank " + std::to_string(s), "the same hidden size, experts, token limit and format on every rank",
+                 "a different value on rank " + std::to_string(s));
+      }
+    } catch (...) {
+      // Release every sender's half anyway so no peer waits for this rank later.
+      for (int s = 0; s < R; ++s) m.ll_gathered(s, me).store(call, std::memory_order_release);
+      throw;
+    }
+    auto* src_info = reinterpret_cast<int32_t*>(own + L.src_info);
+    auto* range = reinterpret_cast<int64_t*>(own + L.layout_range);
+    auto* count = reinterpret_cast<int32_t*>(own + L.recv_count);
+    const size_t row_bytes = static_cast<size_t>(H) * (fp8_mode ? 1 : 2), sc_bytes = static_cast<size_t>(L.scale_cols) * 4;
+    const int64_t packed_cols = ceil_div(L.scale_cols, 4);
+    std::fill_n(count, local_E, 0);
+    for (int s = 0; s < R; ++s) {
+      const int64_t first_expert = me * local_E;
+      std::vector<std::vector<int32_t>> chosen(static_cast<size_t>(local_E));
+      if (!m.masked[static_cast<size_t>(s)]) {
+        const char* theirs = m.peers[static_cast<size_t>(s)].low_latency->data() + static_cast<size_t>(half) * L.half_bytes;
+        const uint64_t* sm = m.ll_meta(s, half);
+        const auto T = static_cast<int64_t>(sm[kLLTokens]), k = static_cast<int64_t>(sm[kLLTopk]);
+        const auto* topk = reinterpret_cast<const int32_t*>(theirs + L.send_topk);
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t j = 0; j < k; ++j) {
+            const int64_t e = topk[t * k + j] - first_expert;
+            if (e < 0 || e >= local_E) continue;
+            auto& list = chosen[static_cast<size_t>(e)];
+            if (list.empty() || list.back() != t) list.push_back(static_cast<int32_t>(t));  // once per (token, expert)
+          }
+        for (int64_t e = 0; e < local_E; ++e) {
+          const auto& list = chosen[static_cast<size_t>(e)];
+          for (size_t i = 0; i < list.size(); ++i) {
+            const int64_t row = e * L.slots + count[e] + static_cast<int64_t>(i), t = list[i];
+            std::memcpy(own + L.recv_x + static_cast<size_t>(row) * row_bytes, theirs + L.send_x + static_cast<size_t>(t) * row_bytes, row_bytes);
+            if (fp8_mode == 1) {
+              std::memcpy(own + L.recv_scales + static_cast<size_t>(row) * sc_bytes, theirs + L.send_scales + static_cast<size_t>(t) * sc_bytes, sc_bytes);
+            } else if (fp8_mode == 2) {
+              const auto* sf = reinterpret_cast<const float*>(theirs + L.send_scales + static_cast<size_t>(t) * sc_bytes);
+              auto* packed = reinterpret_cast<int32_t*>(own + L.recv_scales) + row * packed_cols;
+              for (int64_t c = 0; c < packed_cols; ++c) {
+                uint32_t word = 0;
+                for (int64_t b = 0; b < 4 && c * 4 + b < L.scale_cols; ++b)
+                  word |= static_cast<uint32_t>(f32_to_ue8m0(sf[c * 4 + b])) << (8 * b);
+                packed[c] = static_cast<int32_t>(word);
+              }
+            }
+            src_info[row] = static_cast<int32_t>(t);
+          }
+        }
+      }
+      for (int64_t e = 0; e < local_E; ++e) {
+        const auto n = static_cast<int64_t>(chosen[static_cast<size_t>(e)].size());
+        range[e * R + s] = (static_cast<int64_t>(count[e]) << 32) | n;
+        count[e] += static_cast<int32_t>(n);
+      }
+      if (!m.masked[static_cast<size_t>(s)]) m.ll_gathered(s, me).store(call, std::memory_order_release);
+    }
+    std::copy_n(count, local_E, state->recv_count.begin());
+    if (stats.defined())
+      for (int64_t e = 0; e < local_E; ++e) stats.data_ptr<int32_t>()[e * stats.stride(0)] += count[e];
+  };
+  if (a.return_recv_hook) {
+    auto hook = std::make_shared<LLHook>();
+    hook->body = std::move(receive);
+    out.hook = [hook] {
+      if (hook->done) return;
+      hook->done = true;
+      hook->body();
+    };
+  } else {
+    out.event = m.run(a.async_finish, std::move(receive));
+  }
+  return out;
+}
+
+Tensor Buffer::get_next_low_latency_combine_buffer(const LowLatencyHandle& handle) {
+  Impl& m = *impl_;
+  constexpr const char* fn = "ep::Buffer::get_next_low_latency_combine_buffer";
+  if (!handle.defined()) fail(fn, "handle", "a handle from low_latency_dispatch", "an empty handle");
+  const auto& st = *static_cast<const LLHandleState*>(handle.internal.get());
+  if (st.buffer_id != m.id) fail(fn, "handle", "a handle from this buffer", "a handle from another buffer");
+  const int half = static_cast<int>((m.ll_combines + 1) & 1);
+  auto seg = m.peers[static_cast<size_t>(m.rank)].low_latency;
+  char* base = seg->data() + static_cast<size_t>(half) * st.layout.half_bytes + st.layout.combine_x;
+  return Tensor::from_blob_with_owner(base, {st.layout.local_experts, st.layout.slots, st.layout.hidden}, DType::bf16, seg);
+}
+
+LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs& a) {
+  Impl& m = *impl_;
+  const char* fn = kLLCombine;
+  if (!m.available) fail(fn, "buffer", "a live buffer", "a destroyed buffer");
+  if (m.pending.valid()) m.pending.wait();
+  if (!a.handle.defined()) fail(fn, "handle", "a handle from low_latency_dispatch", "an empty handle");
+  auto state = std::static_pointer_cast<const LLHandleState>(a.handle.internal);
+  if (state->buffer_id != m.id) fail(fn, "handle", "a handle from this buffer", "a handle from another buffer");
+  const LLLayout& L = state->layout;
+  const int me = m.rank;
+  const int64_t T = state->tokens, H = L.hidden, local_E = L.local_experts;
+  if (!a.x.defined() || a.x.dtype() != DType::bf16 || a.x.dim() != 3 || !a.x.device().is_cpu())
+    fail(fn, "x", "bf16 [" + std::to_string(local_E) + ", " + std::to_string(L.slots) + ", " + std::to_string(H) + "] on cpu",
+         a.x.defined() ? a.x.str() : "undefined");
+  check_shape(fn, "x", a.x, {local_E, L.slots, H});
+  if (a.x.stride(2) != 1) fail(fn, "x", "unit stride in the last dimension", shape_str(a.x.strides()));
+  check_cpu_matrix(fn, "topk_idx", a.topk_idx, {DType::i64});
+  check_shape(fn, "topk_idx", a.topk_idx, {T, state->topk});
+  check_cpu_matrix(fn, "topk_weights", a.topk_weights, {DType::f32});
+  check_shape(fn, "topk_weights", a.topk_weights, {T, state->topk});
+  if (a.out.defined()) {
+    check_cpu_matrix(fn, "out", a.out, {DType::bf16});
+    check_shape(fn, "out", a.out, {T, H});
+  }
+  if (a.async_finish && a.return_recv_hook) fail(fn, "async_finish", "not together with return_recv_hook", "both set");
+
+  const uint64_t call = ++m.ll_combines;
+  const int half = static_cast<int>(call & 1);
+  if (call > 2) m.wait_unmasked(fn, [&](int s) { return m.ll_read(me, s).load(std::memory_order_acquire) >= call - 2; });
+  auto seg = m.peers[static_cast<size_t>(me)].low_latency;
+  char* own = seg->data() + static_cast<size_t>(half) * L.half_bytes;
+
+  // Offer x: in place when it already is in shared memory, else its valid rows copied here.
+  uint64_t* meta = m.ll_meta(me, half);
+  const size_t row_bytes = static_cast<size_t>(H) * 2;
+  const auto xs_e = static_cast<size_t>(a.x.stride(0)) * 2, xs_r = static_cast<size_t>(a.x.stride(1)) * 2;
+  const size_t span = static_cast<size_t>(local_E - 1) * xs_e + static_cast<size_t>(L.slots - 1) * xs_r + row_bytes;
+  size_t heap_off = 0;
+  const int heap_seg = m.heap->find(a.x.data(), span, heap_off);
+  if (seg->contains(a.x.data(), span)) {  // e.g. get_next_low_latency_combine_buffer
+    meta[kLLXWhere] = 1;
+    meta[kLLXOff] = static_cast<uint64_t>(static_cast<const char*>(a.x.data()) - seg->data());
+    meta[kLLXStrideE] = xs_e;
+    meta[kLLXStrideR] = xs_r;
+  } else if (heap_seg >= 0) {  // e.g. Buffer::alloc_shared
+    meta[kLLXWhere] = 2;
+    meta[kLLXSeg] = static_cast<uint64_t>(heap_seg);
+    meta[kLLXOff] = heap_off;
+    meta[kLLXStrideE] = xs_e;
+    meta[kLLXStrideR] = xs_r;
+  } else {
+    if (a.zero_copy)
+      fail(fn, "x", "get_next_low_latency_combine_buffer(handle) with zero_copy", "a tensor outside the buffer");
+    for (int64_t e = 0; e < local_E; ++e)
+      for (int64_t r = 0; r < state->recv_count[static_cast<size_t>(e)]; ++r)
+        std::memcpy(own + L.combine_x + static_cast<size_t>(e * L.slots + r) * row_bytes,
+                    static_cast<const char*>(a.x.data()) + static_cast<size_t>(e) * xs_e + static_cast<size_t>(r) * xs_r, row_bytes);
+    meta[kLLXWhere] = 1;
+    meta[kLLXOff] = static_cast<uint64_t>(own + L.combine_x - seg->data());
+    meta[kLLXStrideE] = static_cast<uint64_t>(L.slots) * row_bytes;
+    meta[kLLXStrideR] = row_bytes;
+  }
+  meta[kLLHidden] = static_cast<uint64_t>(H);
+  meta[kLLDispatchHalf] = static_cast<uint64_t>(state->half);
+  m.ll_offered(me).store(call, std::memory_order_release);
+
+  LowLatencyCombineResult out;
+  out.combined_x = a.out.defined() ? a.out : Tensor::from_blob_with_owner(own + L.combine_out, {T, H}, DType::bf16, seg);
+  Tensor result = out.combined_x, topk_idx = a.topk_idx, weights = a.topk_weights;
+  auto receive = [&m, state, result, topk_idx, weights, fn, call, half] {
+    const int R = m.num_ranks, me = m.rank;
+    const LLLayout& L = state->layout;
+    const int64_t T = state->tokens, k = state->topk, H = L.hidden, local_E = L.local_experts;
+    try {
+      m.wait_unmasked(fn, [&](int d) { return m.ll_offered(d).load(std::memory_order_acquire) >= call; });
+    } catch (...) {
+      for (int d = 0; d < R; ++d) m.ll_read(d, me).store(call, std::memory_order_release);
+      throw;
+    }
+    // Where each expert rank's rows are, and where this rank's rows begin in each expert.
+    std::vector<const char*> base(static_cast<size_t>(R), nullptr);
+    std::vector<size_t> stride_e(static_cast<size_t>(R)), stride_r(static_cast<size_t>(R));
+    for (int d = 0; d < R; ++d) {
+      if (m.masked[static_cast<size_t>(d)]) continue;
+      const uint64_t* dm = m.ll_meta(d, half);
+      if (dm[kLLHidden] != static_cast<uint64_t>(H))
+        fail(fn, "x", "the same hidden size on every rank", std::to_string(dm[kLLHidden]) + " on rank " + std::to_string(d));
+      const auto& peer = m.peers[static_cast<size_t>(d)];
+      base[static_cast<size_t>(d)] = dm[kLLXWhere] == 1 ? peer.low_latency->data() + dm[kLLXOff]
+                                                          : peer.segments[static_cast<size_t>(dm[kLLXSeg])]->data() + dm[kLLXOff];
+      stride_e[static_cast<size_t>(d)] = dm[kLLXStrideE];
+      stride_r[static_cast<size_t>(d)] = dm[kLLXStrideR];
+    }
+    std::vector<int32_t> seen(static_cast<size_t>(local_E * R), 0);  // this rank's rows per expert so far
+    std::vector<const uint16_t*> rows(static_cast<size_t>(k));
+    std::vector<float> w(static_cast<size_t>(k));
+    for (int64_t t = 0; t < T; ++t) {
+      int n = 0;
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t e = topk_idx.data_ptr<int64_t>()[t * topk_idx.stride(0) + j];
+        if (e < 0) continue;
+        bool repeat = false;  // a token that lists an expert twice was sent (and counts) once
+        for (int64_t q = 0; q < j; ++q) repeat |= topk_idx.data_ptr<int64_t>()[t * topk_idx.stride(0) + q] == e;
+        const int d = static_cast<int>(e / local_E);
+        const int64_t el = e % local_E;
+        int32_t& i = seen[static_cast<size_t>(e)];
+        if (repeat) continue;
+        const int32_t index = i++;
+        if (m.masked[static_cast<size_t>(d)]) continue;
+        // begin of this rank's rows inside expert el on rank d: from d's layout_range.
+        const char* drange = m.peers[static_cast<size_t>(d)].low_latency->data() + static_cast<size_t>(state->half) * L.half_bytes + L.layout_range;
+        const int64_t begin = reinterpret_cast<const int64_t*>(drange)[el * R + me] >> 32;
+        rows[static_cast<size_t>(n)] = reinterpret_cast<const uint16_t*>(base[static_cast<size_t>(d)] + static_cast<size_t>(el) * stride_e[static_cast<size_t>(d)] +
+                                                                         static_cast<size_t>(begin + index) * stride_r[static_cast<size_t>(d)]);
+        w[static_cast<size_t>(n)] = weights.data_ptr<float>()[t * weights.stride(0) + j];
+        ++n;
+      }
+      detail::reduce_weighted_rows_bf16(result.data_ptr<uint16_t>() + t * result.stride(0), rows.data(), w.data(), n, H);
+    }
+    for (int d = 0; d < R; ++d) m.ll_read(d, me).store(call, std::memory_order_release);
+    // x offered in place stays untouched until every owner has read it.
+    m.wait_unmasked(fn, [&](int s) { return m.ll_read(me, s).load(std::memory_order_acquire) >= call; });
+  };
+  if (a.return_recv_hook) {
+    auto hook = std::make_shared<LLHook>();
+    hook->body = std::move(receive);
+    out.hook = [hook] {
+      if (hook->done) return;
+      hook->done = true;
+      hook->body();
+    };
+  } else {
+    out.event = m.run(a.async_finish, std::move(receive));
+  }
+  return out;
+}
+
+}  // namespace moekit::ep

@@ -1,0 +1,308 @@
+// moekit bench ep: expert-parallel dispatch/combine between MPI ranks (run under mpirun),
+// next to the same exchange written with MPI_Alltoallv, and the copy ceiling measured in
+// the same run with every rank copying at once.
+//
+// Timing (benchmarks.md): every run starts after a barrier; a run's time is the slowest
+// rank's; median and min over the runs. Bytes per rank as DeepEP counts them: received rows
+// x row bytes (bf16 2H, FP8 H + 4H/128), averaged over the ranks.
+#include <fmt/format.h>
+#include <mpi.h>
+
+#include <algorithm>
+#include <bit>
+#include <chrono>
+#include <cstring>
+#include <functional>
+#include <numeric>
+#include <random>
+
+#include "bench_common.h"
+#include "moekit/ep.h"
+#include "moekit/formats.h"
+#include "moekit/runtime.h"
+#include "peak.h"
+
+namespace moekit::tools {
+namespace {
+
+struct World {
+  int rank = 0, size = 1;
+};
+
+// One synchronised run: barrier, the work, this rank's time; the slowest rank's time.
+double timed_run(const std::function<void()>& fn) {
+  MPI_Barrier(MPI_COMM_WORLD);
+  const auto t0 = std::chrono::steady_clock::now();
+  fn();
+  double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+  MPI_Allreduce(MPI_IN_PLACE, &us, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  return us;
+}
+
+std::pair<Timing, Timing> time_pair(const std::function<void()>& fn, const std::function<void()>& peer, int repeats) {
+  fn(), peer();  // warm-up (first-touch of every buffer)
+  std::vector<double> a, b;
+  for (int i = 0; i < repeats; ++i) a.push_back(timed_run(fn)), b.push_back(peer ? timed_run(peer) : 0.0);
+  auto summarise = [&](std::vector<double>& v) {
+    std::sort(v.begin(), v.end());
+    return Timing{v[v.size() / 2], v.front(), repeats};
+  };
+  return {summarise(a), summarise(b)};
+}
+
+// The ceiling: each rank copies `bytes` (non-temporal stores when the CPU has AVX2, else
+// memcpy; the better of the two) while every other rank does the same.
+double concurrent_copy_gbps(size_t bytes, int repeats) {
+  Tensor src = random_bf16(static_cast<int64_t>(bytes / 2 / 4096), 4096, 7);
+  Tensor dst = Tensor::zeros({static_cast<int64_t>(bytes)}, DType::u8);
+  const size_t n = static_cast<size_t>(src.numel()) * 2;
+  double best = 0;
+  for (int variant = 0; variant < 2; ++variant) {
+    std::vector<double> us;
+    for (int i = 0; i < repeats + 1; ++i)
+      us.push_back(timed_run([&] {
+        if (variant == 1 && isa_supported(Isa::avx2)) {
+          kernels::copy_stream_avx2(src.data(), dst.data(), static_cast<int64_t>(n));
+        } else {
+          std::memcpy(dst.data(), src.data(), n);
+        }
+      }));
+    std::sort(us.begin(), us.end());
+    best = std::max(best, static_cast<double>(n) / (us.front() * 1e3));
+  }
+  return best;
+}
+
+// Top-k of distinct experts per token, uniform (DeepSeek-like traffic with random routing).
+Tensor random_topk(int64_t tokens, int topk, int experts, uint64_t seed) {
+  Tensor idx = Tensor::empty({tokens, topk}, DType::i64);
+  std::mt19937_64 rng(seed);
+  std::vector<int64_t> pool(static_cast<size_t>(experts));
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::iota(pool.begin(), pool.end(), 0);
+    for (int j = 0; j < topk; ++j) {
+      std::uniform_int_distribution<int64_t> pick(j, experts - 1);
+      std::swap(pool[static_cast<size_t>(j)], pool[static_cast<size_t>(pick(rng))]);
+      idx.data_ptr<int64_t>()[t * topk + j] = pool[static_cast<size_t>(j)];
+    }
+  }
+  return idx;
+}
+
+// The peer a user would write: pack the rows per destination, MPI_Alltoallv, which already
+// delivers them in (source rank, source token) order.
+struct AlltoallvDispatch {
+  int ranks = 1;
+  int64_t row_bytes = 0;
+  std::vector<int> send_counts, send_displs, recv_counts, recv_displs;  // in bytes
+  std::vector<std::vector<int32_t>> tokens;  // per destination
+  Tensor send, recv;
+
+  AlltoallvDispatch(const Tensor& in_rank, int64_t row_bytes_) : ranks(static_cast<int>(in_rank.size(1))), row_bytes(row_bytes_) {
+    tokens.resize(static_cast<size_t>(ranks));
+    for (int64_t t = 0; t < in_rank.size(0); ++t)
+      for (int d = 0; d < ranks; ++d)
+        if (in_rank.data_ptr<bool>()[t * ranks + d]) tokens[static_cast<size_t>(d)].push_back(static_cast<int32_t>(t));
+    std::vector<int> rows(static_cast<size_t>(ranks)), from(static_cast<size_t>(ranks));
+    for (int d = 0; d < ranks; ++d) rows[static_cast<size_t>(d)] = static_cast<int>(tokens[static_cast<size_t>(d)].size());
+    MPI_Alltoall(rows.data(), 1, MPI_INT, from.data(), 1, MPI_INT, MPI_COMM_WORLD);
+    int64_t out = 0, in = 0;
+    for (int d = 0; d < ranks; ++d) {
+      send_counts.push_back(static_cast<int>(rows[static_cast<size_t>(d)] * row_bytes));
+      send_displs.push_back(static_cast<int>(out));
+      out += send_counts.back();
+      recv_counts.push_back(static_cast<int>(from[static_cast<size_t>(d)] * row_bytes));
+      recv_displs.push_back(static_cast<int>(in));
+      in += recv_counts.back();
+    }
+    send = Tensor::zeros({std::max<int64_t>(out, 1)}, DType::u8);
+    recv = Tensor::zeros({std::max<int64_t>(in, 1)}, DType::u8);
+  }
+  void dispatch(const Tensor& x) {
+    auto* out = static_cast<char*>(send.data());
+    for (int d = 0; d < ranks; ++d)
+      for (int32_t t : tokens[static_cast<size_t>(d)]) {
+        std::memcpy(out, static_cast<const char*>(x.data()) + t * row_bytes, static_cast<size_t>(row_bytes));
+        out += row_bytes;
+      }
+    MPI_Alltoallv(send.data(), send_counts.data(), send_displs.data(), MPI_BYTE, recv.data(), recv_counts.data(),
+                  recv_displs.data(), MPI_BYTE, MPI_COMM_WORLD);
+  }
+  // Combine: received rows go back (already grouped by source rank), then the owner sums
+  // each token's rows in f32 (same order as moekit: ascending rank), one token at a time in
+  // a row buffer that stays in cache (inline conversions, so the loops vectorise).
+  void combine(const Tensor& y, const Tensor& out, int64_t hidden) {
+    MPI_Alltoallv(y.data(), recv_counts.data(), recv_displs.data(), MPI_BYTE, send.data(), send_counts.data(),
+                  send_displs.data(), MPI_BYTE, MPI_COMM_WORLD);
+    const auto* back = static_cast<const uint16_t*>(send.data());
+    std::vector<std::vector<const uint16_t*>> rows(static_cast<size_t>(out.size(0)));
+    for (int d = 0; d < ranks; ++d)
+      for (int32_t t : tokens[static_cast<size_t>(d)]) {
+        rows[static_cast<size_t>(t)].push_back(back);
+        back += hidden;
+      }
+    std::vector<float> acc(static_cast<size_t>(hidden));
+    for (int64_t t = 0; t < out.size(0); ++t) {
+      const auto& list = rows[static_cast<size_t>(t)];
+      for (int64_t i = 0; i < hidden; ++i)
+        acc[static_cast<size_t>(i)] = list.empty() ? 0.0f : std::bit_cast<float>(static_cast<uint32_t>(list[0][i]) << 16);
+      for (size_t r = 1; r < list.size(); ++r)
+        for (int64_t i = 0; i < hidden; ++i) acc[static_cast<size_t>(i)] += std::bit_cast<float>(static_cast<uint32_t>(list[r][i]) << 16);
+      uint16_t* o = out.data_ptr<uint16_t>() + t * hidden;
+      for (int64_t i = 0; i < hidden; ++i) {
+        const uint32_t b = std::bit_cast<uint32_t>(acc[static_cast<size_t>(i)]);
+        o[i] = (b & 0x7fffffffu) > 0x7f800000u ? static_cast<uint16_t>((b >> 16) | 0x40)
+                                               : static_cast<uint16_t>((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+      }
+    }
+  }
+};
+
+bool same_bytes(const void* a, const void* b, size_t n) {
+  int same = n == 0 || std::memcmp(a, b, n) == 0;
+  MPI_Allreduce(MPI_IN_PLACE, &same, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+  return same != 0;
+}
+
+double mean_over_ranks(double v, int ranks) {
+  MPI_Allreduce(MPI_IN_PLACE, &v, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
+  return v / ranks;
+}
+
+double max_over_ranks(double v) {
+  MPI_Allreduce(MPI_IN_PLACE, &v, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  return v;
+}
+
+}  // namespace
+
+void bench_ep(const BenchOptions& options) {
+  int initialised = 0;
+  MPI_Initialized(&initialised);
+  if (!initialised) {
+    int provided = 0;
+    MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided);
+  }
+  World w;
+  MPI_Comm_rank(MPI_COMM_WORLD, &w.rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &w.size);
+  Reporter report{options.json};
+  const bool print = w.rank == 0;
+
+  const int64_t tokens = options.quick ? 256 : 4096, hidden = options.quick ? 1024 : 7168;
+  const int topk = 8, experts = std::max(256 / w.size * w.size, 8 * w.size);
+  const int repeats = options.quick ? 2 : options.repeats;
+  const double ceiling = concurrent_copy_gbps(options.quick ? (64u << 20) : (256u << 20), options.quick ? 1 : 3);
+  if (print)
+    report.header("ep", {{"copy_bw per rank, all ranks copying (GB/s)", ceiling}});
+
+  ep::Buffer buffer(MPI_COMM_WORLD, 256 << 20);
+  const Tensor x = random_bf16(tokens, hidden, 1000 + static_cast<uint64_t>(w.rank));
+  const Tensor idx = random_topk(tokens, topk, experts, 77 + static_cast<uint64_t>(w.rank));
+  Tensor weights = Tensor::empty({tokens, topk}, DType::f32);
+  for (int64_t i = 0; i < tokens * topk; ++i) weights.data_ptr<float>()[i] = 1.0f / topk;
+  const ep::DispatchLayout layout = buffer.get_dispatch_layout(idx, experts);
+  ep::Config config = ep::Buffer::get_dispatch_config(w.size);
+  config.num_sms = num_threads();
+
+  auto base_row = [&](const std::string& kernel, const std::string& dtype) {
+    Row r;
+    r.kernel = kernel;
+    r.dtype = dtype;
+    r.shape = fmt::format("R{} T{} H{} top{}/{}", w.size, tokens, hidden, topk, experts);
+    r.threads = num_threads();
+    r.ceiling = "copy_bw";
+    r.ceiling_value = ceiling;
+    r.sizes = {{"ranks", w.size}, {"tokens", tokens}, {"hidden", hidden}, {"topk", topk}, {"experts", experts}};
+    return r;
+  };
+
+  // ---- dispatch, bf16 and FP8 ----
+  for (const bool fp8 : {false, true}) {
+    ep::DispatchArgs args;
+    Quantized q;
+    if (fp8) {
+      q = per_token_cast_to_fp8(x, false);
+      args.x = q.values;
+      args.x_scales = q.sf;
+    } else {
+      args.x = x;
+    }
+    args.num_tokens_per_rank = layout.num_tokens_per_rank;
+    args.is_token_in_rank = layout.is_token_in_rank;
+    args.num_tokens_per_expert = layout.num_tokens_per_expert;
+    args.topk_idx = idx;
+    args.topk_weights = weights;
+    args.config = config;
+    const int64_t row_bytes = fp8 ? hidden + 4 * ((hidden + 127) / 128) : 2 * hidden;
+    AlltoallvDispatch peer(layout.is_token_in_rank, hidden * static_cast<int64_t>(args.x.element_size()));
+    ep::DispatchResult result;
+    auto [t, tp] = time_pair([&] { result = buffer.dispatch(args); }, [&] { peer.dispatch(args.x); }, repeats);
+    const int64_t recv_rows = result.handle.num_recv_tokens;
+    const bool exact = same_bytes(result.recv_x.data(), peer.recv.data(),
+                                  static_cast<size_t>(recv_rows * hidden) * args.x.element_size());
+    Row r = base_row("dispatch", fp8 ? "fp8" : "bf16");
+    r.time = t;
+    r.peer = "MPI_Alltoallv+pack";
+    r.peer_time = tp;
+    r.gbps = mean_over_ranks(static_cast<double>(recv_rows * row_bytes), w.size) / (t.median_us * 1e3);
+    r.calc_diff = exact ? 0.0 : 1.0;
+    r.notes["bit_exact_vs_alltoallv"] = exact ? "yes" : "NO";
+    if (print) report.print(r);
+
+    if (!fp8) {
+      // Cached handle: same routing, no layout inputs.
+      ep::DispatchArgs cached;
+      cached.x = x;
+      cached.handle = result.handle;
+      cached.config = config;
+      ep::DispatchResult again;
+      auto [tc, tpc] = time_pair([&] { again = buffer.dispatch(cached); }, [&] { peer.dispatch(x); }, repeats);
+      const bool same = same_bytes(again.recv_x.data(), result.recv_x.data(), static_cast<size_t>(recv_rows * hidden) * 2);
+      Row rc = base_row("dispatch(cached)", "bf16");
+      rc.time = tc;
+      rc.peer = "MPI_Alltoallv+pack";
+      rc.peer_time = tpc;
+      rc.gbps = mean_over_ranks(static_cast<double>(recv_rows * row_bytes), w.size) / (tc.median_us * 1e3);
+      rc.calc_diff = same ? 0.0 : 1.0;
+      rc.notes["bit_exact_vs_fresh"] = same ? "yes" : "NO";
+      if (print) report.print(rc);
+
+      // ---- combine: x private (copied back) and x in the buffer's memory (read in place) ----
+      Tensor y_private = Tensor::empty(result.recv_x.shape(), DType::bf16);
+      y_private.copy_from(result.recv_x);
+      Tensor expected = Tensor::empty({tokens, hidden}, DType::f32);
+      for (int64_t tk = 0; tk < tokens; ++tk) {
+        int n = 0;
+        for (int d = 0; d < w.size; ++d) n += layout.is_token_in_rank.data_ptr<bool>()[tk * w.size + d];
+        for (int64_t i = 0; i < hidden; ++i)
+          expected.data_ptr<float>()[tk * hidden + i] = static_cast<float>(n) * bf16_to_f32(x.data_ptr<uint16_t>()[tk * hidden + i]);
+      }
+      Tensor peer_out = Tensor::empty({tokens, hidden}, DType::bf16);
+      for (const bool in_place : {false, true}) {
+        ep::CombineArgs c;
+        c.x = in_place ? result.recv_x : y_private;
+        c.handle = result.handle;
+        c.config = config;
+        ep::CombineResult combined;
+        auto [tcb, tpcb] = time_pair([&] { combined = buffer.combine(c); },
+                                     [&] { peer.combine(y_private, peer_out, hidden); }, repeats);
+        const bool same = same_bytes(combined.combined_x.data(), peer_out.data(), static_cast<size_t>(tokens * hidden) * 2);
+        Row rb = base_row(in_place ? "combine(x in buffer)" : "combine", "bf16");
+        rb.time = tcb;
+        rb.peer = "MPI_Alltoallv+sum";
+        rb.peer_time = tpcb;
+        rb.gbps = mean_over_ranks(static_cast<double>(recv_rows * row_bytes), w.size) / (tcb.median_us * 1e3);
+        rb.calc_diff = max_over_ranks(calc_diff(combined.combined_x, expected));
+        rb.notes["bit_exact_vs_alltoallv"] = same ? "yes" : "NO";
+        if (print) report.print(rb);
+      }
+    }
+  }
+  buffer.destroy();
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (!initialised && !finalized) MPI_Finalize();
+}
+
+}  // namespace moekit::tools
