@@ -16,3 +16,7 @@ scripts/setup.sh release
 ./build/tools/moekit/moekit "${global[@]}" info
 ./build/tools/moekit/moekit "${global[@]}" peak
 ./build/tools/moekit/moekit "${global[@]}" bench all "${bench[@]}"
+# Expert parallelism: 2 MPI ranks on this host, one copy/reduce thread each.
+if [ "$(id -u)" -eq 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
+MOEKIT_NUM_THREADS=1 mpirun --oversubscribe --bind-to none -np 2 \
+  ./build/tools/moekit/moekit "${global[@]}" bench ep "${bench[@]}"

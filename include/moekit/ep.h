@@ -48,7 +48,7 @@ struct Config {
   // needs at least (the control block plus one receive chunk per peer). Received tensors
   // larger than the buffer make it grow on demand (docs/EP.md).
   int64_t get_nvl_buffer_size_hint(int64_t hidden_bytes, int num_ranks) const;
-  // Internode bytes; 0 while every rank is on one node.
+  // Internode bytes: 0 (a Buffer spans one node until the internode path lands).
   int64_t get_rdma_buffer_size_hint(int64_t hidden_bytes, int num_ranks) const;
 };
 

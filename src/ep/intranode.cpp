@@ -399,6 +399,9 @@ CombineResult Buffer::combine(const CombineArgs& a) {
       int64_t before = 0;  // rows owner s staged for ranks < me
       for (int q = 0; q < me; ++q) before += hs.count(s, q);
       const int64_t first = hs.recv_before(s, me);
+      int64_t owner_rows = 0;  // the owner's staging holds all rows it sent; weights follow
+      for (int q = 0; q < R; ++q) owner_rows += hs.count(s, q);
+      const size_t owner_weights_at = align_up(static_cast<size_t>(owner_rows) * row_bytes, 64);
       if (!in_place) {
         const int64_t xs = x.stride(0) * 2;
         if (xs == static_cast<int64_t>(row_bytes)) {
@@ -417,7 +420,7 @@ CombineResult Buffer::combine(const CombineArgs& a) {
       }
       if (topk > 0)
         for (int64_t r = 0; r < n; ++r)
-          std::memcpy(stage + weights_at + static_cast<size_t>((before + r) * topk) * 4,
+          std::memcpy(stage + owner_weights_at + static_cast<size_t>((before + r) * topk) * 4,
                     weights.data_ptr<float>() + (first + r) * weights.stride(0), static_cast<size_t>(topk) * 4);
     }
     m.signal_all(kPhaseData);

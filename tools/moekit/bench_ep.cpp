@@ -39,8 +39,9 @@ double timed_run(const std::function<void()>& fn) {
   return us;
 }
 
-std::pair<Timing, Timing> time_pair(const std::function<void()>& fn, const std::function<void()>& peer, int repeats) {
-  fn(), peer();  // warm-up (first-touch of every buffer)
+std::pair<Timing, Timing> time_pair(const std::function<void()>& fn, const std::function<void()>& peer, int repeats,
+                                    int warmup = 1) {
+  for (int i = 0; i < warmup; ++i) fn(), peer();  // first touch of every buffer (both halves)
   std::vector<double> a, b;
   for (int i = 0; i < repeats; ++i) a.push_back(timed_run(fn)), b.push_back(peer ? timed_run(peer) : 0.0);
   auto summarise = [&](std::vector<double>& v) {
@@ -169,9 +170,133 @@ double mean_over_ranks(double v, int ranks) {
   return v / ranks;
 }
 
+bool print_rank(const World& w) { return w.rank == 0; }
+
 double max_over_ranks(double v) {
   MPI_Allreduce(MPI_IN_PLACE, &v, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
   return v;
+}
+
+// Low-latency rows: FP8 dispatch and weighted combine of 128 tokens per rank, and the round
+// trip next to the same exchange with MPI_Alltoallv (bf16 rows there, as a user would send).
+void bench_low_latency(const BenchOptions& options, const World& w, Reporter& report, double ceiling) {
+  const int64_t tokens = options.quick ? 32 : 128, hidden = options.quick ? 1024 : 7168;
+  const int topk = 8, experts = std::max(256 / w.size * w.size, 8 * w.size);
+  const int repeats = options.quick ? 2 : std::max(options.repeats, 20);
+  const int64_t local_experts = experts / w.size, slots = tokens * w.size;
+  ep::Buffer buffer(MPI_COMM_WORLD, 16 << 20, ep::get_low_latency_rdma_size_hint(tokens, hidden, w.size, experts));
+  const Tensor x = random_bf16(tokens, hidden, 2000 + static_cast<uint64_t>(w.rank));
+  const Tensor idx = random_topk(tokens, topk, experts, 99 + static_cast<uint64_t>(w.rank));
+  Tensor weights = Tensor::empty({tokens, topk}, DType::f32);
+  for (int64_t i = 0; i < tokens * topk; ++i) weights.data_ptr<float>()[i] = 0.5f + static_cast<float>(i % 5) * 0.125f;
+
+  ep::LowLatencyDispatchArgs args;
+  args.x = x;
+  args.topk_idx = idx;
+  args.num_max_dispatch_tokens_per_rank = tokens;
+  args.num_experts = experts;
+  ep::LowLatencyDispatchResult result = buffer.low_latency_dispatch(args);
+  result.event.wait();
+  // Expert outputs = the received rows, dequantised to bf16 (private memory).
+  Tensor y = Tensor::zeros({local_experts, slots, hidden}, DType::bf16);
+  for (int64_t e = 0; e < local_experts; ++e) {
+    const int64_t n = result.recv_count.data_ptr<int32_t>()[e];
+    if (n == 0) continue;
+    Tensor back = cast_back_from_fp8(result.recv_x.select(0, e).slice(0, 0, n), result.recv_x_scales.select(0, e).slice(0, 0, n), DType::bf16);
+    y.select(0, e).slice(0, 0, n).copy_from(back);
+  }
+  // Reference: each token's own quantise/dequantise round trip times its weight sum.
+  const Quantized q = per_token_cast_to_fp8(x, false);
+  const Tensor xq = cast_back_from_fp8(q.values, q.sf, DType::f32);
+  Tensor expected = Tensor::empty({tokens, hidden}, DType::f32);
+  for (int64_t t = 0; t < tokens; ++t) {
+    float sum = 0;
+    for (int j = 0; j < topk; ++j) sum += weights.data_ptr<float>()[t * topk + j];
+    for (int64_t i = 0; i < hidden; ++i) expected.data_ptr<float>()[t * hidden + i] = sum * xq.data_ptr<float>()[t * hidden + i];
+  }
+  int64_t received = 0;
+  for (int64_t e = 0; e < local_experts; ++e) received += result.recv_count.data_ptr<int32_t>()[e];
+  const double row_bytes = static_cast<double>(hidden + 4 * ((hidden + 127) / 128));
+  const double bytes = mean_over_ranks(static_cast<double>(received) * row_bytes, w.size);
+
+  // Peer round trip: Alltoallv dispatch of bf16 rows (once per destination rank), then back.
+  const ep::DispatchLayout layout = buffer.get_dispatch_layout(idx, experts);
+  AlltoallvDispatch peer(layout.is_token_in_rank, hidden * 2);
+  Tensor peer_out = Tensor::empty({tokens, hidden}, DType::bf16);
+  auto peer_round_trip = [&] {
+    peer.dispatch(x);
+    peer.combine(Tensor::from_blob(peer.recv.data(), {std::max<int64_t>(1, peer.recv.numel() / (hidden * 2)), hidden}, DType::bf16), peer_out, hidden);
+  };
+
+  auto row = [&](const std::string& kernel, const std::string& dtype) {
+    Row r;
+    r.kernel = kernel;
+    r.dtype = dtype;
+    r.shape = fmt::format("R{} T{} H{} top{}/{}", w.size, tokens, hidden, topk, experts);
+    r.threads = num_threads();
+    r.ceiling = "copy_bw";
+    r.ceiling_value = ceiling;
+    r.peer = "MPI_Alltoallv round trip";
+    r.sizes = {{"ranks", w.size}, {"tokens", tokens}, {"hidden", hidden}, {"topk", topk}, {"experts", experts}};
+    return r;
+  };
+  ep::LowLatencyCombineResult combined;
+  {
+    auto [t, tp] = time_pair([&] { result = buffer.low_latency_dispatch(args); result.event.wait(); }, peer_round_trip, repeats, 4);
+    Row r = row("low_latency_dispatch", "fp8");
+    r.time = t;
+    r.peer_time = tp;
+    r.gbps = bytes / (t.median_us * 1e3);
+    r.calc_diff = 0;
+    if (print_rank(w)) report.print(r);
+  }
+  for (const bool zero_copy : {false, true}) {
+    ep::LowLatencyCombineArgs c;
+    c.topk_idx = idx;
+    c.topk_weights = weights;
+    c.handle = result.handle;
+    c.zero_copy = zero_copy;
+    auto prepare = [&] {
+      c.handle = result.handle;
+      if (zero_copy) {
+        c.x = buffer.get_next_low_latency_combine_buffer(result.handle);
+        c.x.copy_from(y);  // stands for the expert GEMM writing its output there (not timed)
+      } else {
+        c.x = y;
+      }
+    };
+    prepare();
+    auto [t, tp] = time_pair([&] { combined = buffer.low_latency_combine(c); combined.event.wait(); }, peer_round_trip, repeats, 4);
+    Row r = row(zero_copy ? "low_latency_combine(zero_copy)" : "low_latency_combine", "bf16");
+    r.time = t;
+    r.peer_time = tp;
+    r.gbps = mean_over_ranks(static_cast<double>(received) * 2.0 * static_cast<double>(hidden), w.size) / (t.median_us * 1e3);
+    r.calc_diff = max_over_ranks(calc_diff(combined.combined_x, expected));
+    if (print_rank(w)) report.print(r);
+  }
+  {
+    ep::LowLatencyCombineArgs c;
+    c.topk_idx = idx;
+    c.topk_weights = weights;
+    auto [t, tp] = time_pair(
+        [&] {
+          result = buffer.low_latency_dispatch(args);
+          result.event.wait();
+          c.handle = result.handle;
+          c.x = y;
+          combined = buffer.low_latency_combine(c);
+          combined.event.wait();
+        },
+        peer_round_trip, repeats, 4);
+    Row r = row("low_latency_dispatch+combine", "fp8/bf16");
+    r.time = t;
+    r.peer_time = tp;
+    r.gbps = (bytes + mean_over_ranks(static_cast<double>(received) * 2.0 * static_cast<double>(hidden), w.size)) / (t.median_us * 1e3);
+    r.calc_diff = max_over_ranks(calc_diff(combined.combined_x, expected));
+    r.notes["round_trip_us"] = fmt::format("{:.1f}", t.median_us);
+    if (print_rank(w)) report.print(r);
+  }
+  buffer.destroy();
 }
 
 }  // namespace
@@ -300,6 +425,7 @@ void bench_ep(const BenchOptions& options) {
     }
   }
   buffer.destroy();
+  bench_low_latency(options, w, report, ceiling);
   int finalized = 0;
   MPI_Finalized(&finalized);
   if (!initialised && !finalized) MPI_Finalize();

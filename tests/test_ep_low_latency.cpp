@@ -1,0 +1,1 @@
+// placeholder: low-latency tests (being written)
