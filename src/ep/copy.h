@@ -18,7 +18,8 @@ void copy_stream_avx2(void* dst, const void* src, size_t n);  // n >= 64
 
 // out = bf16(rows[0] + rows[1] + ... + rows[n-1] (+ bias_0) (+ bias_1)), summed in f32 in
 // exactly that order, rounded to nearest even (NaN stays a quiet NaN); n = 0 gives the
-// biases alone (or zeros). Bit-identical across ISA paths.
+// biases alone (or zeros). Bit-identical across ISA paths. May use non-temporal stores:
+// the calling thread must stream_fence() before another thread reads out.
 void reduce_rows_bf16(uint16_t* out, const uint16_t* const* rows, int n, const uint16_t* bias_0,
                       const uint16_t* bias_1, int64_t hidden);
 void reduce_rows_bf16_scalar(uint16_t* out, const uint16_t* const* rows, int n, const uint16_t* bias_0,

@@ -55,15 +55,30 @@ inline __m256 sum8(const uint16_t* const* rows, int n, const uint16_t* b0, const
 
 }  // namespace
 
+// Rounds without the NaN fix-up (the caller checked there is no NaN).
+inline __m256i round_bf16x8_finite(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  return _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)), lsb), 16);
+}
+
 void reduce_rows_bf16_avx2(uint16_t* out, const uint16_t* const* rows, int n, const uint16_t* bias_0,
                            const uint16_t* bias_1, int64_t hidden) {
+  // Rows of the combined output are not read again soon: stream them past the cache.
+  const bool stream = hidden >= 512 && (reinterpret_cast<uintptr_t>(out) & 31) == 0;
   int64_t i = 0;
   for (; i + 16 <= hidden; i += 16) {
-    const __m256i lo = round_bf16x8(sum8(rows, n, bias_0, bias_1, i));
-    const __m256i hi = round_bf16x8(sum8(rows, n, bias_0, bias_1, i + 8));
+    const __m256 a = sum8(rows, n, bias_0, bias_1, i), b = sum8(rows, n, bias_0, bias_1, i + 8);
+    const bool nan = _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_UNORD_Q)) != 0;
+    const __m256i lo = nan ? round_bf16x8(a) : round_bf16x8_finite(a);
+    const __m256i hi = nan ? round_bf16x8(b) : round_bf16x8_finite(b);
     // packus interleaves 128-bit lanes; the permute restores element order.
     const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), packed);
+    if (stream) {
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(out + i), packed);
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), packed);
+    }
   }
   reduce_rows_bf16_scalar(out, rows, n, bias_0, bias_1, i, hidden);
 }

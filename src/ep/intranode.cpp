@@ -250,40 +250,45 @@ DispatchResult Buffer::dispatch(const DispatchArgs& a) {
                                      threads, x, x_scales, topk_idx, topk_weights, recv_src_idx] {
     const int R = m.num_ranks, me = m.rank;
     for (int d = 0; d < R; ++d) m.map_new_segments(d);
-    // Work items: (destination, first token, last token) in chunks, so threads share evenly.
-    struct Item { int d; int64_t begin, end; };
-    std::vector<Item> items;
+    // Where each receiver's block is, and where this rank's rows start in it.
+    struct Dest {
+      char* base;
+      RecvLayout layout;
+      int64_t start;
+    };
+    std::vector<Dest> dests;
     for (int d = 0; d < R; ++d) {
-      const int64_t n = static_cast<int64_t>(hs->send_tokens[static_cast<size_t>(d)].size());
-      for (int64_t b = 0; b < n; b += 64) items.push_back({d, b, std::min(n, b + 64)});
+      const uint64_t* dm = m.meta(d);
+      dests.push_back({m.peer_data(d, dm[kSeg], dm[kOff]),
+                       RecvLayout(worst > 0 ? worst : hs->recv_total(d), row_bytes, scale_cols, topk), hs->recv_before(me, d)});
     }
     const int64_t experts_per_rank = experts > 0 ? experts / R : 0;
-    parallel_chunks(threads, static_cast<int64_t>(items.size()), [&](int64_t first, int64_t last) {
-      for (int64_t i = first; i < last; ++i) {
-        const Item& it = items[static_cast<size_t>(i)];
-        const uint64_t* dm = m.meta(it.d);
-        char* dst = m.peer_data(it.d, dm[kSeg], dm[kOff]);
-        const int64_t dst_rows = worst > 0 ? worst : hs->recv_total(it.d);
-        const RecvLayout dl(dst_rows, row_bytes, scale_cols, topk);
-        const int64_t start = hs->recv_before(me, it.d);
-        const auto& list = hs->send_tokens[static_cast<size_t>(it.d)];
-        for (int64_t j = it.begin; j < it.end; ++j) {
-          const int64_t t = list[static_cast<size_t>(j)], row = start + j;
-          detail::copy_stream(dst + dl.x + static_cast<size_t>(row) * row_bytes,
-                              static_cast<const char*>(x.data()) + t * x.stride(0) * static_cast<int64_t>(x.element_size()), row_bytes);
+    const int32_t* head = hs->send_head.data_ptr<int32_t>();
+    // Token-major: a token's row is read from memory once and written to each of its
+    // receivers while it is still in cache.
+    parallel_chunks(threads, hs->tokens, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const char* src = static_cast<const char*>(x.data()) + t * x.stride(0) * static_cast<int64_t>(x.element_size());
+        for (int d = 0; d < R; ++d) {
+          const int32_t j = head[t * R + d];
+          if (j < 0) continue;
+          const Dest& dst = dests[static_cast<size_t>(d)];
+          const int64_t row = dst.start + j;
+          detail::copy_stream(dst.base + dst.layout.x + static_cast<size_t>(row) * row_bytes, src, row_bytes);
           if (scale_cols > 0)
-            std::memcpy(dst + dl.scales + static_cast<size_t>(row * scale_cols) * 4,
+            std::memcpy(dst.base + dst.layout.scales + static_cast<size_t>(row * scale_cols) * 4,
                         x_scales.data_ptr<float>() + t * x_scales.stride(0), static_cast<size_t>(scale_cols) * 4);
           for (int64_t q = 0; q < topk; ++q) {
             const int64_t e = topk_idx.data_ptr<int64_t>()[t * topk_idx.stride(0) + q];
-            const bool local = e >= it.d * experts_per_rank && e < (it.d + 1) * experts_per_rank;
-            reinterpret_cast<int64_t*>(dst + dl.topk_idx)[row * topk + q] = local ? e - it.d * experts_per_rank : -1;
-            reinterpret_cast<float*>(dst + dl.topk_weights)[row * topk + q] =
+            const bool local = e >= d * experts_per_rank && e < (d + 1) * experts_per_rank;
+            reinterpret_cast<int64_t*>(dst.base + dst.layout.topk_idx)[row * topk + q] = local ? e - d * experts_per_rank : -1;
+            reinterpret_cast<float*>(dst.base + dst.layout.topk_weights)[row * topk + q] =
                 local ? topk_weights.data_ptr<float>()[t * topk_weights.stride(0) + q] : 0.0f;
           }
-          reinterpret_cast<int32_t*>(dst + dl.src_idx)[row] = static_cast<int32_t>(t);
+          reinterpret_cast<int32_t*>(dst.base + dst.layout.src_idx)[row] = static_cast<int32_t>(t);
         }
       }
+      detail::stream_fence();  // each thread orders its own non-temporal stores
     });
     // Worst-case padding of this rank's own block.
     char* own = block->data();
@@ -411,6 +416,7 @@ CombineResult Buffer::combine(const CombineArgs& a) {
           parallel_chunks(threads, static_cast<int64_t>(total / 4096 + 1), [&](int64_t b, int64_t e) {
             const size_t lo = std::min(total, static_cast<size_t>(b) * 4096), hi = std::min(total, static_cast<size_t>(e) * 4096);
             if (hi > lo) detail::copy_stream(dst + lo, src + lo, hi - lo);
+            detail::stream_fence();
           });
         } else {
           for (int64_t r = 0; r < n; ++r)
@@ -463,6 +469,7 @@ CombineResult Buffer::combine(const CombineArgs& a) {
         const uint16_t* b1 = bias_1.defined() ? bias_1.data_ptr<uint16_t>() + t * bias_1.stride(0) : nullptr;
         detail::reduce_rows_bf16(combined.data_ptr<uint16_t>() + t * hidden, rows.data(), n, b0, b1, hidden);
       }
+      detail::stream_fence();
     });
     // Round 3: owners are done reading; x offered in place may be released.
     m.signal_all(kPhaseRead);

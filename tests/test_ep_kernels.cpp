@@ -1,0 +1,107 @@
+// The EP reduction kernels: every ISA path bit-identical to the portable one, and the
+// portable one equal to the plain f32 expression it documents (NaN, ±inf, -0, ties).
+#include <gtest/gtest.h>
+
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "ep/copy.h"
+#include "moekit/formats.h"
+#include "moekit/runtime.h"
+
+namespace {
+
+using moekit::bf16_to_f32;
+using moekit::f32_to_bf16;
+
+std::vector<uint16_t> awkward_row(int64_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist(0.0f, 3.0f);
+  std::vector<uint16_t> row(static_cast<size_t>(n));
+  for (auto& v : row) v = f32_to_bf16(dist(rng));
+  const uint16_t specials[] = {0x7fc0, 0xffc1, 0x7f80, 0xff80, 0x8000, 0x0000, 0x0001, 0x7f7f, 0x3f81};
+  for (int64_t i = 0; i < n; i += 37) row[static_cast<size_t>(i)] = specials[(i / 37) % 9];
+  return row;
+}
+
+uint16_t expected_sum(const std::vector<const uint16_t*>& rows, const uint16_t* b0, const uint16_t* b1, int64_t i) {
+  float acc = rows.empty() ? 0.0f : bf16_to_f32(rows[0][i]);
+  for (size_t r = 1; r < rows.size(); ++r) acc = acc + bf16_to_f32(rows[r][i]);
+  if (b0) acc = acc + bf16_to_f32(b0[i]);
+  if (b1) acc = acc + bf16_to_f32(b1[i]);
+  return f32_to_bf16(acc);
+}
+
+TEST(EpKernels, ReduceRowsEveryPathMatchesTheF32Expression) {
+  if (!moekit::isa_supported(moekit::Isa::avx2)) GTEST_SKIP() << "this CPU has no AVX2 path to compare";
+  for (int64_t hidden : {1, 15, 16, 17, 200, 512, 1000, 7168}) {
+    for (int n = 0; n <= 4; ++n) {
+      std::vector<std::vector<uint16_t>> data;
+      for (int r = 0; r < n + 2; ++r) data.push_back(awkward_row(hidden, static_cast<uint32_t>(hidden * 10 + r)));
+      std::vector<const uint16_t*> rows;
+      for (int r = 0; r < n; ++r) rows.push_back(data[static_cast<size_t>(r)].data());
+      for (int bias = 0; bias < 4; ++bias) {
+        const uint16_t* b0 = bias & 1 ? data[static_cast<size_t>(n)].data() : nullptr;
+        const uint16_t* b1 = bias & 2 ? data[static_cast<size_t>(n) + 1].data() : nullptr;
+        alignas(64) static uint16_t out_scalar[7168 + 32], out_simd[7168 + 32];
+        for (int misalign : {0, 1}) {  // aligned (streamed) and unaligned outputs
+          moekit::ep::detail::reduce_rows_bf16_scalar(out_scalar, rows.data(), n, b0, b1, 0, hidden);
+          moekit::ep::detail::reduce_rows_bf16_avx2(out_simd + misalign, rows.data(), n, b0, b1, hidden);
+          moekit::ep::detail::stream_fence();
+          for (int64_t i = 0; i < hidden; ++i) {
+            ASSERT_EQ(out_scalar[i], expected_sum(rows, b0, b1, i)) << "hidden " << hidden << " n " << n << " i " << i;
+            ASSERT_EQ(out_simd[misalign + i], out_scalar[i]) << "hidden " << hidden << " n " << n << " bias " << bias << " i " << i;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(EpKernels, WeightedReduceEveryPathMatchesFmaInOrder) {
+  if (!moekit::isa_supported(moekit::Isa::avx2)) GTEST_SKIP() << "this CPU has no AVX2 path to compare";
+  for (int64_t hidden : {1, 16, 33, 7168}) {
+    for (int n = 0; n <= 9; ++n) {
+      std::vector<std::vector<uint16_t>> data;
+      std::vector<const uint16_t*> rows;
+      std::vector<float> w;
+      for (int r = 0; r < n; ++r) {
+        data.push_back(awkward_row(hidden, static_cast<uint32_t>(hidden + 100 * r)));
+        w.push_back(0.1f + 0.37f * static_cast<float>(r));
+      }
+      for (auto& d : data) rows.push_back(d.data());
+      std::vector<uint16_t> a(static_cast<size_t>(hidden)), b(static_cast<size_t>(hidden));
+      moekit::ep::detail::reduce_weighted_rows_bf16_scalar(a.data(), rows.data(), w.data(), n, 0, hidden);
+      moekit::ep::detail::reduce_weighted_rows_bf16_avx2(b.data(), rows.data(), w.data(), n, hidden);
+      for (int64_t i = 0; i < hidden; ++i) {
+        float acc = 0.0f;
+        for (int r = 0; r < n; ++r) acc = std::fma(w[static_cast<size_t>(r)], bf16_to_f32(rows[static_cast<size_t>(r)][i]), acc);
+        ASSERT_EQ(a[static_cast<size_t>(i)], f32_to_bf16(acc)) << "i " << i;
+        ASSERT_EQ(b[static_cast<size_t>(i)], a[static_cast<size_t>(i)]) << "hidden " << hidden << " n " << n << " i " << i;
+      }
+    }
+  }
+}
+
+TEST(EpKernels, StreamCopyCopiesEveryByte) {
+  if (!moekit::isa_supported(moekit::Isa::avx2)) GTEST_SKIP() << "this CPU has no AVX2 path to compare";
+  std::vector<unsigned char> src(70000), dst(70000 + 64);
+  for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<unsigned char>(i * 131 + 7);
+  for (size_t n : {64ul, 65ul, 2048ul, 4097ul, 70000ul - 3})
+    for (size_t off : {0ul, 1ul, 31ul}) {
+      std::fill(dst.begin(), dst.end(), 0xAB);
+      moekit::ep::detail::copy_stream_avx2(dst.data() + off, src.data() + 3, n);
+      moekit::ep::detail::stream_fence();
+      ASSERT_EQ(std::memcmp(dst.data() + off, src.data() + 3, n), 0) << n << " " << off;
+      ASSERT_EQ(dst[off + n], 0xAB);
+      if (off) {
+        ASSERT_EQ(dst[off - 1], 0xAB);
+      }
+    }
+}
+
+}  // namespace
