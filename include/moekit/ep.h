@@ -247,6 +247,8 @@ class Buffer {
   struct Impl;
 
  private:
+  LowLatencyDispatchResult low_latency_dispatch_checked(const LowLatencyDispatchArgs& args);
+  LowLatencyCombineResult low_latency_combine_checked(const LowLatencyCombineArgs& args);
   std::unique_ptr<Impl> impl_;
 };
 

@@ -71,6 +71,7 @@ enum LLMeta : int {
   kLLXStrideE,  // bytes between experts
   kLLXStrideR,  // bytes between rows
   kLLDispatchHalf,
+  kLLError,  // 1 when the rank rejected its arguments for this call
 };
 
 struct LLHandleState {
@@ -115,11 +116,52 @@ Tensor Buffer::low_latency_query_mask_buffer() const {
 
 void Buffer::low_latency_clean_mask_buffer() { std::fill(impl_->masked.begin(), impl_->masked.end(), 0); }
 
+// A rank that rejects its arguments still takes part in the call's flags (marked as an
+// error), so its peers raise an Error naming it instead of waiting for the timeout.
+void ll_abandon(Buffer::Impl& m, uint64_t call, bool dispatch) {
+  const int half = static_cast<int>(call & 1);
+  // As a real call would: the half's metadata is rewritten only after its last readers left.
+  if (call > 2)
+    m.wait_unmasked(dispatch ? kLLDispatch : kLLCombine, [&](int s) {
+      return (dispatch ? m.ll_gathered(m.rank, s) : m.ll_read(m.rank, s)).load(std::memory_order_acquire) >= call - 2;
+    });
+  m.ll_meta(m.rank, half)[kLLError] = 1;
+  for (int p = 0; p < m.num_ranks; ++p) {
+    if (dispatch) {
+      m.ll_gathered(p, m.rank).store(call, std::memory_order_release);
+    } else {
+      m.ll_read(p, m.rank).store(call, std::memory_order_release);
+    }
+  }
+  (dispatch ? m.ll_sent(m.rank) : m.ll_offered(m.rank)).store(call, std::memory_order_release);
+}
+
+void ll_check_peer_errors(const Buffer::Impl& m, const char* fn, int half) {
+  for (int p = 0; p < m.num_ranks; ++p)
+    if (!m.masked[static_cast<size_t>(p)] && p != m.rank && m.ll_meta(p, half)[kLLError] != 0)
+      fail(fn, "rank " + std::to_string(p), "valid arguments on every rank",
+           "rank " + std::to_string(p) + " rejected its arguments (see its error)");
+}
+
 LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchArgs& a) {
   Impl& m = *impl_;
   const char* fn = kLLDispatch;
   if (!m.available) fail(fn, "buffer", "a live buffer", "a destroyed buffer");
   if (m.pending.valid()) m.pending.wait();
+  const uint64_t before = m.ll_dispatches;
+  try {
+    return low_latency_dispatch_checked(a);
+  } catch (const TimeoutError&) {
+    throw;
+  } catch (const Error&) {
+    if (m.ll_dispatches == before) ll_abandon(m, ++m.ll_dispatches, true);  // rejected before sending
+    throw;
+  }
+}
+
+LowLatencyDispatchResult Buffer::low_latency_dispatch_checked(const LowLatencyDispatchArgs& a) {
+  Impl& m = *impl_;
+  const char* fn = kLLDispatch;
   const int R = m.num_ranks, me = m.rank;
   check_cpu_matrix(fn, "x", a.x, {DType::bf16});
   check_cpu_matrix(fn, "topk_idx", a.topk_idx, {DType::i64});
@@ -177,6 +219,7 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
   meta[kLLExperts] = static_cast<uint64_t>(E);
   meta[kLLMax] = static_cast<uint64_t>(a.num_max_dispatch_tokens_per_rank);
   meta[kLLFp8] = static_cast<uint64_t>(fp8_mode);
+  meta[kLLError] = 0;
   m.ll_sent(me).store(call, std::memory_order_release);
 
   // The results: views of this rank's half.
@@ -215,6 +258,7 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
     std::string error;
     try {
       m.wait_unmasked(fn, [&](int s) { return m.ll_sent(s).load(std::memory_order_acquire) >= call; });
+      ll_check_peer_errors(m, fn, half);
       for (int s = 0; s < R; ++s) {
         if (m.masked[static_cast<size_t>(s)]) continue;
         const uint64_t* sm = m.ll_meta(s, half);
@@ -313,6 +357,20 @@ LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs&
   const char* fn = kLLCombine;
   if (!m.available) fail(fn, "buffer", "a live buffer", "a destroyed buffer");
   if (m.pending.valid()) m.pending.wait();
+  const uint64_t before = m.ll_combines;
+  try {
+    return low_latency_combine_checked(a);
+  } catch (const TimeoutError&) {
+    throw;
+  } catch (const Error&) {
+    if (m.ll_combines == before) ll_abandon(m, ++m.ll_combines, false);  // rejected before offering
+    throw;
+  }
+}
+
+LowLatencyCombineResult Buffer::low_latency_combine_checked(const LowLatencyCombineArgs& a) {
+  Impl& m = *impl_;
+  const char* fn = kLLCombine;
   if (!a.handle.defined()) fail(fn, "handle", "a handle from low_latency_dispatch", "an empty handle");
   auto state = std::static_pointer_cast<const LLHandleState>(a.handle.internal);
   if (state->buffer_id != m.id) fail(fn, "handle", "a handle from this buffer", "a handle from another buffer");
@@ -372,6 +430,7 @@ LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs&
   }
   meta[kLLHidden] = static_cast<uint64_t>(H);
   meta[kLLDispatchHalf] = static_cast<uint64_t>(state->half);
+  meta[kLLError] = 0;
   m.ll_offered(me).store(call, std::memory_order_release);
 
   LowLatencyCombineResult out;
@@ -383,6 +442,7 @@ LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs&
     const int64_t T = state->tokens, k = state->topk, H = L.hidden, local_E = L.local_experts;
     try {
       m.wait_unmasked(fn, [&](int d) { return m.ll_offered(d).load(std::memory_order_acquire) >= call; });
+      ll_check_peer_errors(m, fn, half);
     } catch (...) {
       for (int d = 0; d < R; ++d) m.ll_read(d, me).store(call, std::memory_order_release);
       throw;
