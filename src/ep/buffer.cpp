@@ -90,11 +90,11 @@ Buffer::Buffer(MPI_Comm comm, int64_t num_nvl_bytes, int64_t num_rdma_bytes, Buf
     if (leaders[static_cast<size_t>(r)] != host_leader)
       give_up("ranks_per_node", "consecutive ranks of one node on one host",
               "rank " + std::to_string(r) + " on another host than rank " + std::to_string(m.rank));
-  if (m.num_ranks / m.ranks_per_node > 1)
-    give_up("ranks_per_node", "all ranks on one node (the internode path is not implemented yet)",
-            std::to_string(m.num_ranks / m.ranks_per_node) + " nodes of " + std::to_string(m.ranks_per_node));
+  if (m.ranks_per_node > 32)
+    give_up("ranks_per_node", "at most 32 ranks per node", std::to_string(m.ranks_per_node));
   m.local_rank = m.rank % m.ranks_per_node;
   MPI_Comm_split(m.comm, node, m.rank, &m.node_comm);
+  MPI_Comm_split(m.comm, m.local_rank, m.rank, &m.rail_comm);
   m.id = g_next_buffer_id.fetch_add(1);
 
   // Shared segments: names unique per (node leader pid, buffer), created then mapped by all.
@@ -148,6 +148,7 @@ Buffer::Buffer(MPI_Comm comm, int64_t num_nvl_bytes, int64_t num_rdma_bytes, Buf
     m.peers[static_cast<size_t>(m.local_rank)].low_latency->unlink();
   if (!all_ok) {
     m.peers.clear();
+    MPI_Comm_free(&m.rail_comm);
     MPI_Comm_free(&m.node_comm);
     MPI_Comm_free(&m.comm);
     fail(fn, "shared memory", "every rank to create and map its segments",
@@ -184,6 +185,7 @@ void Buffer::destroy() {
   m.peers.clear();
   m.own_ctrl.reset();
   m.heap.reset();
+  MPI_Comm_free(&m.rail_comm);
   MPI_Comm_free(&m.node_comm);
   MPI_Comm_free(&m.comm);
   if (!error.empty()) throw Error("ep::Buffer::destroy", "communicator", "every rank to call destroy", error);

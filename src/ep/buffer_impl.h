@@ -207,6 +207,18 @@ struct HandleState {
     return n;
   }
   int64_t recv_total(int d) const { return recv_before(num_ranks, d); }
+
+  // Several nodes only. Rows this rank forwards within its node for the sources that share
+  // its local index on other nodes (ascending source), and its own tokens per remote node.
+  struct Carried {
+    int source = 0;
+    std::vector<int32_t> token;  // source token index per row, ascending
+    std::vector<uint32_t> mask;  // bit d: the row goes to local rank d of this node
+  };
+  int num_nodes = 1, ranks_per_node = 0;
+  std::vector<Carried> carried;
+  std::vector<std::vector<int32_t>> node_tokens;  // per node (own node: empty)
+  std::vector<int32_t> node_pos;                  // [t * N + n]: index of t in node_tokens[n] or -1
 };
 
 
@@ -224,6 +236,8 @@ struct Buffer::Impl {
   int rank = 0, num_ranks = 1, local_rank = 0, ranks_per_node = 1;
   double timeout = 100;
   uint64_t id = 0;
+  MPI_Comm rail_comm = MPI_COMM_NULL;  // the ranks with this local index, one per node
+  int num_nodes() const { return num_ranks / ranks_per_node; }
   int64_t num_nvl_bytes = 0;
   bool available = true;
   std::atomic<bool> broken{false};
@@ -290,14 +304,19 @@ struct Buffer::Impl {
   int32_t* counts_expert(int p) const { return reinterpret_cast<int32_t*>(pub(p) + counts_expert_at); }
   uint64_t flag(uint64_t phase) const { return op * 8 + phase; }
 
+  // The ranks of this node, by local index (peers[], flags); global rank = node_base + local.
+  int node_base() const { return rank - local_rank; }
+  int global(int local) const { return node_base() + local; }
+
   // Spins, then yields, then sleeps (ranks may outnumber cores), until pred(p) holds for
-  // every rank p; TimeoutError naming the others after `timeout` seconds.
+  // every local rank p of this node; TimeoutError naming the others (global ranks) after
+  // `timeout` seconds.
   template <class Pred>
   void wait_all(const char* fn, Pred&& pred) const {
     const auto start = std::chrono::steady_clock::now();
     for (uint64_t iter = 0;; ++iter) {
       bool all = true;
-      for (int p = 0; p < num_ranks && all; ++p) all = pred(p);
+      for (int p = 0; p < ranks_per_node && all; ++p) all = pred(p);
       if (all) return;
       if (iter < 1024) {
         _mm_pause();
@@ -306,8 +325,8 @@ struct Buffer::Impl {
       const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       if (waited > timeout) {
         std::vector<int> silent;
-        for (int p = 0; p < num_ranks; ++p)
-          if (!pred(p)) silent.push_back(p);
+        for (int p = 0; p < ranks_per_node; ++p)
+          if (!pred(p)) silent.push_back(global(p));
         if (silent.empty()) return;
         throw TimeoutError(fn, silent, timeout);
       }
@@ -329,16 +348,16 @@ struct Buffer::Impl {
   void publish(uint64_t phase) { ready(local_rank).store(flag(phase), std::memory_order_release); }
   void signal_all(uint64_t phase) {
     stream_fence();  // non-temporal stores must be visible before the flag
-    for (int p = 0; p < num_ranks; ++p) done(p, local_rank).store(flag(phase), std::memory_order_release);
+    for (int p = 0; p < ranks_per_node; ++p) done(p, local_rank).store(flag(phase), std::memory_order_release);
   }
   static void stream_fence() { detail::stream_fence(); }
 
   // After a round: any rank that abandoned the op makes every rank raise the same Error.
   void check_peer_errors(const char* fn) const {
-    for (int p = 0; p < num_ranks; ++p)
+    for (int p = 0; p < ranks_per_node; ++p)
       if (meta(p)[kError] != 0 && p != local_rank)
-        fail(fn, "rank " + std::to_string(p), "valid arguments on every rank",
-             "rank " + std::to_string(p) + " rejected its arguments (see its error)");
+        fail(fn, "rank " + std::to_string(global(p)), "valid arguments on every rank",
+             "rank " + std::to_string(global(p)) + " rejected its arguments (see its error)");
   }
 
   void begin_op(const char* fn) {

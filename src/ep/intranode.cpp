@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "ep/buffer_impl.h"
+#include "ep/plan.h"
 
 namespace moekit::ep {
 namespace {
@@ -15,105 +16,6 @@ using moekit::detail::check_cpu_matrix;
 using moekit::detail::check_shape;
 using moekit::detail::ceil_div;
 
-// A dispatch's local inputs, validated.
-struct DispatchPlan {
-  int64_t tokens = 0, hidden = 0, topk = 0, experts = 0, scale_cols = 0;
-  size_t row_bytes = 0;
-  bool fp8 = false;
-  std::shared_ptr<const HandleState> cached;
-  std::vector<int32_t> per_expert;                  // fresh mode only
-  std::vector<std::vector<int32_t>> send_tokens;    // per destination, ascending
-  Tensor is_token_in_rank;                          // bool [T, R], contiguous
-};
-
-const HandleState& handle_state(const char* fn, const DispatchHandle& handle, uint64_t buffer_id, int num_ranks) {
-  if (!handle.defined()) fail(fn, "handle", "a handle returned by dispatch", "an empty handle");
-  const auto& hs = *static_cast<const HandleState*>(handle.internal.get());
-  if (hs.buffer_id != buffer_id || hs.num_ranks != num_ranks)
-    fail(fn, "handle", "a handle from a dispatch on this buffer", "a handle from another buffer");
-  return hs;
-}
-
-DispatchPlan plan_dispatch(const DispatchArgs& a, int num_ranks, uint64_t buffer_id) {
-  const char* fn = kDispatch;
-  DispatchPlan p;
-  check_cpu_matrix(fn, "x", a.x, {DType::bf16, DType::e4m3});
-  p.tokens = a.x.size(0);
-  p.hidden = a.x.size(1);
-  p.fp8 = a.x.dtype() == DType::e4m3;
-  p.row_bytes = static_cast<size_t>(p.hidden) * a.x.element_size();
-  if (p.fp8) {
-    p.scale_cols = ceil_div(p.hidden, 128);
-    check_cpu_matrix(fn, "x_scales", a.x_scales, {DType::f32});
-    check_shape(fn, "x_scales", a.x_scales, {p.tokens, p.scale_cols});
-  } else if (a.x_scales.defined()) {
-    fail(fn, "x_scales", "no scales with bf16 x", a.x_scales.str());
-  }
-  if (a.expert_alignment < 1) fail(fn, "expert_alignment", ">= 1", std::to_string(a.expert_alignment));
-  if (a.num_worst_tokens < 0) fail(fn, "num_worst_tokens", ">= 0", std::to_string(a.num_worst_tokens));
-
-  if (a.handle) {
-    const HandleState& hs = handle_state(fn, *a.handle, buffer_id, num_ranks);
-    p.cached = std::static_pointer_cast<const HandleState>(a.handle->internal);
-    if (hs.tokens != p.tokens)
-      fail(fn, "x", "the handle's token count " + std::to_string(hs.tokens), std::to_string(p.tokens));
-    if (a.topk_idx.defined() || a.topk_weights.defined())
-      fail(fn, "topk_idx", "no top-k inputs with a cached handle", "top-k tensors");
-    p.send_tokens = hs.send_tokens;
-    p.is_token_in_rank = a.handle->is_token_in_rank;
-    return p;
-  }
-
-  check_cpu_matrix(fn, "is_token_in_rank", a.is_token_in_rank, {DType::boolean});
-  check_shape(fn, "is_token_in_rank", a.is_token_in_rank, {p.tokens, num_ranks});
-  check_cpu_matrix(fn, "num_tokens_per_expert", a.num_tokens_per_expert.dim() == 1
-                       ? a.num_tokens_per_expert.reshape({1, -1}) : a.num_tokens_per_expert, {DType::i32});
-  p.experts = a.num_tokens_per_expert.numel();
-  if (a.num_tokens_per_expert.dim() != 1 || p.experts % num_ranks != 0 || p.experts == 0 || p.experts > kMaxExperts)
-    fail(fn, "num_tokens_per_expert", "i32 [E] with E a positive multiple of " + std::to_string(num_ranks) +
-             ", at most " + std::to_string(kMaxExperts), a.num_tokens_per_expert.str());
-  if (!a.num_tokens_per_rank.defined() || a.num_tokens_per_rank.dtype() != DType::i32 ||
-      a.num_tokens_per_rank.dim() != 1 || a.num_tokens_per_rank.size(0) != num_ranks)
-    fail(fn, "num_tokens_per_rank", "i32 [" + std::to_string(num_ranks) + "]",
-         a.num_tokens_per_rank.defined() ? a.num_tokens_per_rank.str() : "undefined");
-  p.per_expert.resize(static_cast<size_t>(p.experts));
-  for (int64_t e = 0; e < p.experts; ++e)
-    p.per_expert[static_cast<size_t>(e)] = a.num_tokens_per_expert.data_ptr<int32_t>()[e * a.num_tokens_per_expert.stride(0)];
-
-  if (a.topk_idx.defined()) {
-    check_cpu_matrix(fn, "topk_idx", a.topk_idx, {DType::i64});
-    if (a.topk_idx.size(0) != p.tokens)
-      fail(fn, "topk_idx", std::to_string(p.tokens) + " rows (as x)", a.topk_idx.str());
-    p.topk = a.topk_idx.size(1);
-    check_cpu_matrix(fn, "topk_weights", a.topk_weights, {DType::f32});
-    check_shape(fn, "topk_weights", a.topk_weights, {p.tokens, p.topk});
-    for (int64_t t = 0; t < p.tokens; ++t)
-      for (int64_t j = 0; j < p.topk; ++j) {
-        const int64_t e = a.topk_idx.data_ptr<int64_t>()[t * a.topk_idx.stride(0) + j];
-        if (e < -1 || e >= p.experts)
-          fail(fn, "topk_idx[" + std::to_string(t) + ", " + std::to_string(j) + "]",
-               "an expert id in [0, " + std::to_string(p.experts) + ") or -1", std::to_string(e));
-      }
-  } else if (a.topk_weights.defined()) {
-    fail(fn, "topk_weights", "no weights without topk_idx", a.topk_weights.str());
-  }
-
-  p.is_token_in_rank = a.is_token_in_rank.contiguous();
-  p.send_tokens.assign(static_cast<size_t>(num_ranks), {});
-  const bool* in_rank = p.is_token_in_rank.data_ptr<bool>();
-  for (int64_t t = 0; t < p.tokens; ++t)
-    for (int d = 0; d < num_ranks; ++d)
-      if (in_rank[t * num_ranks + d]) p.send_tokens[static_cast<size_t>(d)].push_back(static_cast<int32_t>(t));
-  for (int d = 0; d < num_ranks; ++d) {
-    const int64_t given = a.num_tokens_per_rank.data_ptr<int32_t>()[d * a.num_tokens_per_rank.stride(0)];
-    const auto counted = static_cast<int64_t>(p.send_tokens[static_cast<size_t>(d)].size());
-    if (given != counted)
-      fail(fn, "num_tokens_per_rank[" + std::to_string(d) + "]",
-           std::to_string(counted) + " (the tokens is_token_in_rank sends there)", std::to_string(given));
-  }
-  return p;
-}
-
 // Every rank compares every rank's published shape with rank 0's, so all reach the same verdict.
 void check_same_everywhere(const Buffer::Impl& m, const char* fn, Meta field, const char* what) {
   for (int p = 1; p < m.num_ranks; ++p)
@@ -122,23 +24,11 @@ void check_same_everywhere(const Buffer::Impl& m, const char* fn, Meta field, co
            std::to_string(m.meta(p)[field]) + " on rank " + std::to_string(p));
 }
 
-template <class Body>
-void parallel_chunks(int threads, int64_t n, Body&& body) {
-  if (threads <= 1 || n < 2) {
-    if (n > 0) body(int64_t{0}, n);
-    return;
-  }
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t c = 0; c < threads; ++c) {
-    const int64_t begin = n * c / threads, end = n * (c + 1) / threads;
-    if (begin < end) body(begin, end);
-  }
-}
-
 }  // namespace
 
 DispatchResult Buffer::dispatch(const DispatchArgs& a) {
   Impl& m = *impl_;
+  if (m.num_nodes() > 1) return detail::dispatch_internode(m, a);
   m.begin_op(kDispatch);
   const int R = m.num_ranks, me = m.rank;
   DispatchPlan plan;
@@ -311,6 +201,7 @@ DispatchResult Buffer::dispatch(const DispatchArgs& a) {
 
 CombineResult Buffer::combine(const CombineArgs& a) {
   Impl& m = *impl_;
+  if (m.num_nodes() > 1) return detail::combine_internode(m, a);
   m.begin_op(kCombine);
   const int R = m.num_ranks, me = m.rank;
   const HandleState* hs_ptr = nullptr;

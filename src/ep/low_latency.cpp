@@ -147,6 +147,9 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
   Impl& m = *impl_;
   const char* fn = kLLDispatch;
   if (!m.available) fail(fn, "buffer", "a live buffer", "a destroyed buffer");
+  if (m.num_nodes() > 1)
+    fail(fn, "buffer", "ranks on one node (low-latency mode across nodes is not implemented yet)",
+         std::to_string(m.num_nodes()) + " nodes");
   if (m.pending.valid()) m.pending.wait();
   const uint64_t before = m.ll_dispatches;
   try {
@@ -356,6 +359,9 @@ LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs&
   Impl& m = *impl_;
   const char* fn = kLLCombine;
   if (!m.available) fail(fn, "buffer", "a live buffer", "a destroyed buffer");
+  if (m.num_nodes() > 1)
+    fail(fn, "buffer", "ranks on one node (low-latency mode across nodes is not implemented yet)",
+         std::to_string(m.num_nodes()) + " nodes");
   if (m.pending.valid()) m.pending.wait();
   const uint64_t before = m.ll_combines;
   try {

@@ -1,0 +1,105 @@
+#include "ep/plan.h"
+
+#include <string>
+
+#include "core/check.h"
+
+namespace moekit::ep::detail {
+
+using moekit::detail::ceil_div;
+using moekit::detail::check_cpu_matrix;
+using moekit::detail::check_shape;
+
+namespace {
+constexpr const char* kDispatch = "ep::Buffer::dispatch";
+}  // namespace
+
+const HandleState& handle_state(const char* fn, const DispatchHandle& handle, uint64_t buffer_id, int num_ranks) {
+  if (!handle.defined()) fail(fn, "handle", "a handle returned by dispatch", "an empty handle");
+  const auto& hs = *static_cast<const HandleState*>(handle.internal.get());
+  if (hs.buffer_id != buffer_id || hs.num_ranks != num_ranks)
+    fail(fn, "handle", "a handle from a dispatch on this buffer", "a handle from another buffer");
+  return hs;
+}
+
+DispatchPlan plan_dispatch(const DispatchArgs& a, int num_ranks, uint64_t buffer_id) {
+  const char* fn = kDispatch;
+  DispatchPlan p;
+  check_cpu_matrix(fn, "x", a.x, {DType::bf16, DType::e4m3});
+  p.tokens = a.x.size(0);
+  p.hidden = a.x.size(1);
+  p.fp8 = a.x.dtype() == DType::e4m3;
+  p.row_bytes = static_cast<size_t>(p.hidden) * a.x.element_size();
+  if (p.fp8) {
+    p.scale_cols = ceil_div(p.hidden, 128);
+    check_cpu_matrix(fn, "x_scales", a.x_scales, {DType::f32});
+    check_shape(fn, "x_scales", a.x_scales, {p.tokens, p.scale_cols});
+  } else if (a.x_scales.defined()) {
+    fail(fn, "x_scales", "no scales with bf16 x", a.x_scales.str());
+  }
+  if (a.expert_alignment < 1) fail(fn, "expert_alignment", ">= 1", std::to_string(a.expert_alignment));
+  if (a.num_worst_tokens < 0) fail(fn, "num_worst_tokens", ">= 0", std::to_string(a.num_worst_tokens));
+
+  if (a.handle) {
+    const HandleState& hs = handle_state(fn, *a.handle, buffer_id, num_ranks);
+    p.cached = std::static_pointer_cast<const HandleState>(a.handle->internal);
+    if (hs.tokens != p.tokens)
+      fail(fn, "x", "the handle's token count " + std::to_string(hs.tokens), std::to_string(p.tokens));
+    if (a.topk_idx.defined() || a.topk_weights.defined())
+      fail(fn, "topk_idx", "no top-k inputs with a cached handle", "top-k tensors");
+    p.send_tokens = hs.send_tokens;
+    p.is_token_in_rank = a.handle->is_token_in_rank;
+    return p;
+  }
+
+  check_cpu_matrix(fn, "is_token_in_rank", a.is_token_in_rank, {DType::boolean});
+  check_shape(fn, "is_token_in_rank", a.is_token_in_rank, {p.tokens, num_ranks});
+  check_cpu_matrix(fn, "num_tokens_per_expert", a.num_tokens_per_expert.dim() == 1
+                       ? a.num_tokens_per_expert.reshape({1, -1}) : a.num_tokens_per_expert, {DType::i32});
+  p.experts = a.num_tokens_per_expert.numel();
+  if (a.num_tokens_per_expert.dim() != 1 || p.experts % num_ranks != 0 || p.experts == 0 || p.experts > kMaxExperts)
+    fail(fn, "num_tokens_per_expert", "i32 [E] with E a positive multiple of " + std::to_string(num_ranks) +
+             ", at most " + std::to_string(kMaxExperts), a.num_tokens_per_expert.str());
+  if (!a.num_tokens_per_rank.defined() || a.num_tokens_per_rank.dtype() != DType::i32 ||
+      a.num_tokens_per_rank.dim() != 1 || a.num_tokens_per_rank.size(0) != num_ranks)
+    fail(fn, "num_tokens_per_rank", "i32 [" + std::to_string(num_ranks) + "]",
+         a.num_tokens_per_rank.defined() ? a.num_tokens_per_rank.str() : "undefined");
+  p.per_expert.resize(static_cast<size_t>(p.experts));
+  for (int64_t e = 0; e < p.experts; ++e)
+    p.per_expert[static_cast<size_t>(e)] = a.num_tokens_per_expert.data_ptr<int32_t>()[e * a.num_tokens_per_expert.stride(0)];
+
+  if (a.topk_idx.defined()) {
+    check_cpu_matrix(fn, "topk_idx", a.topk_idx, {DType::i64});
+    if (a.topk_idx.size(0) != p.tokens)
+      fail(fn, "topk_idx", std::to_string(p.tokens) + " rows (as x)", a.topk_idx.str());
+    p.topk = a.topk_idx.size(1);
+    check_cpu_matrix(fn, "topk_weights", a.topk_weights, {DType::f32});
+    check_shape(fn, "topk_weights", a.topk_weights, {p.tokens, p.topk});
+    for (int64_t t = 0; t < p.tokens; ++t)
+      for (int64_t j = 0; j < p.topk; ++j) {
+        const int64_t e = a.topk_idx.data_ptr<int64_t>()[t * a.topk_idx.stride(0) + j];
+        if (e < -1 || e >= p.experts)
+          fail(fn, "topk_idx[" + std::to_string(t) + ", " + std::to_string(j) + "]",
+               "an expert id in [0, " + std::to_string(p.experts) + ") or -1", std::to_string(e));
+      }
+  } else if (a.topk_weights.defined()) {
+    fail(fn, "topk_weights", "no weights without topk_idx", a.topk_weights.str());
+  }
+
+  p.is_token_in_rank = a.is_token_in_rank.contiguous();
+  p.send_tokens.assign(static_cast<size_t>(num_ranks), {});
+  const bool* in_rank = p.is_token_in_rank.data_ptr<bool>();
+  for (int64_t t = 0; t < p.tokens; ++t)
+    for (int d = 0; d < num_ranks; ++d)
+      if (in_rank[t * num_ranks + d]) p.send_tokens[static_cast<size_t>(d)].push_back(static_cast<int32_t>(t));
+  for (int d = 0; d < num_ranks; ++d) {
+    const int64_t given = a.num_tokens_per_rank.data_ptr<int32_t>()[d * a.num_tokens_per_rank.stride(0)];
+    const auto counted = static_cast<int64_t>(p.send_tokens[static_cast<size_t>(d)].size());
+    if (given != counted)
+      fail(fn, "num_tokens_per_rank[" + std::to_string(d) + "]",
+           std::to_string(counted) + " (the tokens is_token_in_rank sends there)", std::to_string(given));
+  }
+  return p;
+}
+
+}  // namespace moekit::ep::detail
