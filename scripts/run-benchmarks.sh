@@ -20,3 +20,6 @@ scripts/setup.sh release
 if [ "$(id -u)" -eq 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
 MOEKIT_NUM_THREADS=1 mpirun --oversubscribe --bind-to none -np 2 \
   ./build/tools/moekit/moekit "${global[@]}" bench ep "${bench[@]}"
+# The internode path: 2 simulated nodes of 2 ranks, the rail over TCP (oversubscribed here).
+MOEKIT_NUM_THREADS=1 MOEKIT_EP_RANKS_PER_NODE=2 mpirun --oversubscribe --bind-to none --mca btl tcp,self \
+  -x MOEKIT_EP_RANKS_PER_NODE -np 4 ./build/tools/moekit/moekit "${global[@]}" bench ep "${bench[@]}"
