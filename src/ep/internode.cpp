@@ -294,45 +294,9 @@ DispatchResult dispatch_internode(Buffer::Impl& m, const DispatchArgs& a) {
 
   // Round 2 (shared memory): the receive block.
   const RecvLayout layout(hs->rows, plan.row_bytes, plan.scale_cols, plan.topk);
-  std::shared_ptr<Block> block;
-  try {
-    block = m.allocate(layout.bytes);
-  } catch (...) {
-    m.abandon();
-    throw;
-  }
-  uint64_t* meta = m.meta(lr);
-  meta[kSeg] = static_cast<uint64_t>(block->seg);
-  meta[kOff] = block->off;
-  meta[kNumSegs] = static_cast<uint64_t>(m.heap->num_segments());
-  m.publish(kPhaseAlloc);
-  m.wait_ready(fn, kPhaseAlloc);
-  m.check_peer_errors(fn);
-
-  char* base = block->data();
-  out.recv_x = Tensor::from_blob_with_owner(base + layout.x, {hs->rows, plan.hidden}, a.x.dtype(), block);
-  if (plan.fp8) out.recv_x_scales = Tensor::from_blob_with_owner(base + layout.scales, {hs->rows, plan.scale_cols}, DType::f32, block);
-  if (plan.topk > 0) {
-    out.recv_topk_idx = Tensor::from_blob_with_owner(base + layout.topk_idx, {hs->rows, plan.topk}, DType::i64, block);
-    out.recv_topk_weights = Tensor::from_blob_with_owner(base + layout.topk_weights, {hs->rows, plan.topk}, DType::f32, block);
-  }
+  const std::shared_ptr<Block> block = publish_recv_block(m, fn, layout);
+  fill_dispatch_outputs(out, plan, a.x.dtype(), hs, block, layout);
   DispatchHandle& h = out.handle;
-  h.rank_prefix_matrix = Tensor::empty({R, R}, DType::i32);
-  for (int d = 0; d < R; ++d)
-    for (int s = 0, acc = 0; s < R; ++s) h.rank_prefix_matrix.data_ptr<int32_t>()[s * R + d] = acc += static_cast<int32_t>(hs->count(s, d));
-  h.recv_src_idx = Tensor::empty({hs->rows}, DType::i32);
-  h.is_token_in_rank = Tensor::empty({plan.tokens, R}, DType::boolean);
-  h.is_token_in_rank.copy_from(plan.is_token_in_rank);
-  h.send_head = Tensor::empty({plan.tokens, R}, DType::i32);
-  std::fill_n(h.send_head.data_ptr<int32_t>(), plan.tokens * R, -1);
-  for (int d = 0; d < R; ++d) {
-    const auto& list = hs->send_tokens[static_cast<size_t>(d)];
-    for (size_t j = 0; j < list.size(); ++j) h.send_head.data_ptr<int32_t>()[list[j] * R + d] = static_cast<int32_t>(j);
-  }
-  h.num_recv_tokens = num_recv;
-  h.hidden = plan.hidden;
-  hs->send_head = h.send_head;
-  h.internal = hs;
 
   // Round 3: forward own tokens and carried ones into this node's receivers.
   const int threads = m.copy_threads(a.config);
@@ -394,13 +358,7 @@ DispatchResult dispatch_internode(Buffer::Impl& m, const DispatchArgs& a) {
                 reinterpret_cast<const int64_t*>(record + rr.topk), reinterpret_cast<const float*>(record + rr.weights), c.token[i]);
     }
     char* own = block->data();
-    for (int64_t row = hs->recv_total(me); row < hs->rows; ++row) {
-      for (int64_t q = 0; q < topk; ++q) {
-        reinterpret_cast<int64_t*>(own + layout.topk_idx)[row * topk + q] = -1;
-        reinterpret_cast<float*>(own + layout.topk_weights)[row * topk + q] = 0.0f;
-      }
-      reinterpret_cast<int32_t*>(own + layout.src_idx)[row] = -1;
-    }
+    pad_worst_rows(own, layout, *hs, topk);
     m.signal_all(kPhaseData);
     m.wait_done(kDispatch, kPhaseData);
     m.check_peer_errors(kDispatch);
@@ -415,25 +373,11 @@ CombineResult combine_internode(Buffer::Impl& m, const CombineArgs& a) {
   m.begin_op(fn);
   const int R = m.num_ranks, me = m.rank, L = m.ranks_per_node, N = m.num_nodes(), node = me / L, lr = m.local_rank;
   std::exception_ptr local_error;
-  const HandleState* hs_ptr = nullptr;
   int64_t hidden = 0, topk = 0;
   try {
-    hs_ptr = &handle_state(fn, a.handle, m.id, R);
-    check_cpu_matrix(fn, "x", a.x, {DType::bf16});
-    if (a.x.size(0) != hs_ptr->rows)
-      fail(fn, "x", std::to_string(hs_ptr->rows) + " rows (the dispatch's received rows)", a.x.str());
-    hidden = a.x.size(1);
-    if (a.topk_weights.defined()) {
-      check_cpu_matrix(fn, "topk_weights", a.topk_weights, {DType::f32});
-      if (a.topk_weights.size(0) != hs_ptr->rows) fail(fn, "topk_weights", std::to_string(hs_ptr->rows) + " rows", a.topk_weights.str());
-      topk = a.topk_weights.size(1);
-    }
-    for (const auto* bias : {&a.bias_0, &a.bias_1})
-      if (bias->defined()) {
-        const char* name = bias == &a.bias_0 ? "bias_0" : "bias_1";
-        check_cpu_matrix(fn, name, *bias, {DType::bf16});
-        check_shape(fn, name, *bias, {hs_ptr->tokens, hidden});
-      }
+    const CombineShape shape = check_combine(fn, a, m.id, R);
+    hidden = shape.hidden;
+    topk = shape.topk;
   } catch (const Error&) {
     local_error = std::current_exception();
   }

@@ -86,49 +86,9 @@ DispatchResult Buffer::dispatch(const DispatchArgs& a) {
 
   // Round 2: the receive block, where senders write.
   const RecvLayout layout(hs->rows, plan.row_bytes, plan.scale_cols, plan.topk);
-  std::shared_ptr<Block> block;
-  try {
-    block = m.allocate(layout.bytes);
-  } catch (...) {
-    m.abandon();
-    throw;
-  }
-  mine[kSeg] = static_cast<uint64_t>(block->seg);
-  mine[kOff] = block->off;
-  mine[kNumSegs] = static_cast<uint64_t>(m.heap->num_segments());
-  m.publish(kPhaseAlloc);
-  m.wait_ready(kDispatch, kPhaseAlloc);
-  m.check_peer_errors(kDispatch);
-
-  // The results, valid once the event completes.
-  char* base = block->data();
-  out.recv_x = Tensor::from_blob_with_owner(base + layout.x, {hs->rows, plan.hidden}, a.x.dtype(), block);
-  if (plan.fp8)
-    out.recv_x_scales = Tensor::from_blob_with_owner(base + layout.scales, {hs->rows, plan.scale_cols}, DType::f32, block);
-  if (plan.topk > 0) {
-    out.recv_topk_idx = Tensor::from_blob_with_owner(base + layout.topk_idx, {hs->rows, plan.topk}, DType::i64, block);
-    out.recv_topk_weights = Tensor::from_blob_with_owner(base + layout.topk_weights, {hs->rows, plan.topk}, DType::f32, block);
-  }
+  const std::shared_ptr<Block> block = publish_recv_block(m, kDispatch, layout);
+  fill_dispatch_outputs(out, plan, a.x.dtype(), hs, block, layout);
   DispatchHandle& h = out.handle;
-  h.rank_prefix_matrix = Tensor::empty({R, R}, DType::i32);
-  for (int d = 0; d < R; ++d)
-    for (int s = 0, acc = 0; s < R; ++s) h.rank_prefix_matrix.data_ptr<int32_t>()[s * R + d] = acc += static_cast<int32_t>(hs->count(s, d));
-  h.recv_src_idx = Tensor::empty({hs->rows}, DType::i32);
-  h.is_token_in_rank = plan.cached ? plan.is_token_in_rank : plan.is_token_in_rank.contiguous();
-  if (!plan.cached && h.is_token_in_rank.data() == a.is_token_in_rank.data()) {
-    h.is_token_in_rank = Tensor::empty({plan.tokens, R}, DType::boolean);
-    h.is_token_in_rank.copy_from(plan.is_token_in_rank);
-  }
-  h.send_head = Tensor::empty({plan.tokens, R}, DType::i32);
-  std::fill_n(h.send_head.data_ptr<int32_t>(), plan.tokens * R, -1);
-  for (int d = 0; d < R; ++d) {
-    const auto& list = hs->send_tokens[static_cast<size_t>(d)];
-    for (size_t j = 0; j < list.size(); ++j) h.send_head.data_ptr<int32_t>()[list[j] * R + d] = static_cast<int32_t>(j);
-  }
-  h.num_recv_tokens = num_recv;
-  h.hidden = plan.hidden;
-  hs->send_head = h.send_head;
-  h.internal = hs;
 
   // Round 3 (on the event when async): every sender writes its rows into every receiver.
   const int threads = m.copy_threads(a.config);
@@ -180,15 +140,8 @@ DispatchResult Buffer::dispatch(const DispatchArgs& a) {
       }
       detail::stream_fence();  // each thread orders its own non-temporal stores
     });
-    // Worst-case padding of this rank's own block.
     char* own = block->data();
-    for (int64_t row = hs->recv_total(me); row < hs->rows; ++row) {
-      for (int64_t q = 0; q < topk; ++q) {
-        reinterpret_cast<int64_t*>(own + layout.topk_idx)[row * topk + q] = -1;
-        reinterpret_cast<float*>(own + layout.topk_weights)[row * topk + q] = 0.0f;
-      }
-      reinterpret_cast<int32_t*>(own + layout.src_idx)[row] = -1;
-    }
+    pad_worst_rows(own, layout, *hs, topk);
     m.signal_all(kPhaseData);
     m.wait_done(kDispatch, kPhaseData);
     m.check_peer_errors(kDispatch);
@@ -204,30 +157,15 @@ CombineResult Buffer::combine(const CombineArgs& a) {
   if (m.num_nodes() > 1) return detail::combine_internode(m, a);
   m.begin_op(kCombine);
   const int R = m.num_ranks, me = m.rank;
-  const HandleState* hs_ptr = nullptr;
-  int64_t hidden = 0, topk = 0;
+  CombineShape shape;
   try {
-    hs_ptr = &handle_state(kCombine, a.handle, m.id, R);
-    check_cpu_matrix(kCombine, "x", a.x, {DType::bf16});
-    if (a.x.size(0) != hs_ptr->rows)
-      fail(kCombine, "x", std::to_string(hs_ptr->rows) + " rows (the dispatch's received rows)", a.x.str());
-    hidden = a.x.size(1);
-    if (a.topk_weights.defined()) {
-      check_cpu_matrix(kCombine, "topk_weights", a.topk_weights, {DType::f32});
-      if (a.topk_weights.size(0) != hs_ptr->rows)
-        fail(kCombine, "topk_weights", std::to_string(hs_ptr->rows) + " rows", a.topk_weights.str());
-      topk = a.topk_weights.size(1);
-    }
-    for (const auto* bias : {&a.bias_0, &a.bias_1})
-      if (bias->defined()) {
-        const char* name = bias == &a.bias_0 ? "bias_0" : "bias_1";
-        check_cpu_matrix(kCombine, name, *bias, {DType::bf16});
-        check_shape(kCombine, name, *bias, {hs_ptr->tokens, hidden});
-      }
+    shape = check_combine(kCombine, a, m.id, R);
   } catch (...) {
     m.abandon();
     throw;
   }
+  const HandleState* hs_ptr = shape.hs;
+  const int64_t hidden = shape.hidden, topk = shape.topk;
   const HandleState& hs = *hs_ptr;
   auto keep_handle = std::static_pointer_cast<const HandleState>(a.handle.internal);
 

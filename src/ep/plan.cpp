@@ -1,5 +1,6 @@
 #include "ep/plan.h"
 
+#include <algorithm>
 #include <string>
 
 #include "core/check.h"
@@ -100,6 +101,85 @@ DispatchPlan plan_dispatch(const DispatchArgs& a, int num_ranks, uint64_t buffer
            std::to_string(counted) + " (the tokens is_token_in_rank sends there)", std::to_string(given));
   }
   return p;
+}
+
+std::shared_ptr<Block> publish_recv_block(Buffer::Impl& m, const char* fn, const RecvLayout& layout) {
+  std::shared_ptr<Block> block;
+  try {
+    block = m.allocate(layout.bytes);
+  } catch (...) {
+    m.abandon();
+    throw;
+  }
+  uint64_t* meta = m.meta(m.local_rank);
+  meta[kSeg] = static_cast<uint64_t>(block->seg);
+  meta[kOff] = block->off;
+  meta[kNumSegs] = static_cast<uint64_t>(m.heap->num_segments());
+  m.publish(kPhaseAlloc);
+  m.wait_ready(fn, kPhaseAlloc);
+  m.check_peer_errors(fn);
+  return block;
+}
+
+void fill_dispatch_outputs(DispatchResult& out, const DispatchPlan& plan, DType x_dtype, const std::shared_ptr<HandleState>& hs,
+                           const std::shared_ptr<Block>& block, const RecvLayout& layout) {
+  const int R = hs->num_ranks;
+  char* base = block->data();
+  out.recv_x = Tensor::from_blob_with_owner(base + layout.x, {hs->rows, plan.hidden}, x_dtype, block);
+  if (plan.fp8)
+    out.recv_x_scales = Tensor::from_blob_with_owner(base + layout.scales, {hs->rows, plan.scale_cols}, DType::f32, block);
+  if (plan.topk > 0) {
+    out.recv_topk_idx = Tensor::from_blob_with_owner(base + layout.topk_idx, {hs->rows, plan.topk}, DType::i64, block);
+    out.recv_topk_weights = Tensor::from_blob_with_owner(base + layout.topk_weights, {hs->rows, plan.topk}, DType::f32, block);
+  }
+  DispatchHandle& h = out.handle;
+  h.rank_prefix_matrix = Tensor::empty({R, R}, DType::i32);
+  for (int d = 0; d < R; ++d)
+    for (int s = 0, acc = 0; s < R; ++s) h.rank_prefix_matrix.data_ptr<int32_t>()[s * R + d] = acc += static_cast<int32_t>(hs->count(s, d));
+  h.recv_src_idx = Tensor::empty({hs->rows}, DType::i32);
+  // The handle keeps its own copy: the caller may reuse its is_token_in_rank.
+  h.is_token_in_rank = Tensor::empty({plan.tokens, R}, DType::boolean);
+  h.is_token_in_rank.copy_from(plan.is_token_in_rank);
+  h.send_head = Tensor::empty({plan.tokens, R}, DType::i32);
+  std::fill_n(h.send_head.data_ptr<int32_t>(), plan.tokens * R, -1);
+  for (int d = 0; d < R; ++d) {
+    const auto& list = hs->send_tokens[static_cast<size_t>(d)];
+    for (size_t j = 0; j < list.size(); ++j) h.send_head.data_ptr<int32_t>()[list[j] * R + d] = static_cast<int32_t>(j);
+  }
+  h.num_recv_tokens = hs->recv_total(hs->rank);
+  h.hidden = plan.hidden;
+  hs->send_head = h.send_head;
+  h.internal = hs;
+}
+
+void pad_worst_rows(char* own, const RecvLayout& layout, const HandleState& hs, int64_t topk) {
+  for (int64_t row = hs.recv_total(hs.rank); row < hs.rows; ++row) {
+    for (int64_t q = 0; q < topk; ++q) {
+      reinterpret_cast<int64_t*>(own + layout.topk_idx)[row * topk + q] = -1;
+      reinterpret_cast<float*>(own + layout.topk_weights)[row * topk + q] = 0.0f;
+    }
+    reinterpret_cast<int32_t*>(own + layout.src_idx)[row] = -1;
+  }
+}
+
+CombineShape check_combine(const char* fn, const CombineArgs& a, uint64_t buffer_id, int num_ranks) {
+  CombineShape c;
+  c.hs = &handle_state(fn, a.handle, buffer_id, num_ranks);
+  check_cpu_matrix(fn, "x", a.x, {DType::bf16});
+  if (a.x.size(0) != c.hs->rows) fail(fn, "x", std::to_string(c.hs->rows) + " rows (the dispatch's received rows)", a.x.str());
+  c.hidden = a.x.size(1);
+  if (a.topk_weights.defined()) {
+    check_cpu_matrix(fn, "topk_weights", a.topk_weights, {DType::f32});
+    if (a.topk_weights.size(0) != c.hs->rows) fail(fn, "topk_weights", std::to_string(c.hs->rows) + " rows", a.topk_weights.str());
+    c.topk = a.topk_weights.size(1);
+  }
+  for (const auto* bias : {&a.bias_0, &a.bias_1})
+    if (bias->defined()) {
+      const char* name = bias == &a.bias_0 ? "bias_0" : "bias_1";
+      check_cpu_matrix(fn, name, *bias, {DType::bf16});
+      check_shape(fn, name, *bias, {c.hs->tokens, c.hidden});
+    }
+  return c;
 }
 
 }  // namespace moekit::ep::detail

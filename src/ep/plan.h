@@ -24,6 +24,21 @@ const HandleState& handle_state(const char* fn, const DispatchHandle& handle, ui
 // Checks every local input of a dispatch (no communication).
 DispatchPlan plan_dispatch(const DispatchArgs& a, int num_ranks, uint64_t buffer_id);
 
+// Round 2 of a dispatch: this rank's receive block, allocated and published to its node.
+std::shared_ptr<Block> publish_recv_block(Buffer::Impl& m, const char* fn, const RecvLayout& layout);
+// The result tensors (views of the block) and the handle of a dispatch.
+void fill_dispatch_outputs(DispatchResult& out, const DispatchPlan& plan, DType x_dtype, const std::shared_ptr<HandleState>& hs,
+                           const std::shared_ptr<Block>& block, const RecvLayout& layout);
+// Worst-case padding rows of this rank's block: top-k -1, weight 0, source -1.
+void pad_worst_rows(char* own, const RecvLayout& layout, const HandleState& hs, int64_t topk);
+
+// A combine's local arguments, checked against its handle.
+struct CombineShape {
+  const HandleState* hs = nullptr;
+  int64_t hidden = 0, topk = 0;
+};
+CombineShape check_combine(const char* fn, const CombineArgs& a, uint64_t buffer_id, int num_ranks);
+
 // Dispatch and combine when the buffer spans several nodes (internode.cpp).
 DispatchResult dispatch_internode(Buffer::Impl& m, const DispatchArgs& a);
 CombineResult combine_internode(Buffer::Impl& m, const CombineArgs& a);
