@@ -1,1 +1,1726 @@
-// placeholder: low-latency tests (being written)
+// Expert-parallel low-latency mode (ep.md "Low-latency mode", docs/EP.md "Low-latency dispatch /
+// combine"), mirroring DeepEP's test_low_latency: every rank runs every test, in the same order
+// (they are collective).
+//
+// Each test builds a "world": every rank's token count, top-k routing (with -1 entries, tokens
+// that route nowhere and experts listed twice by one token), routing weights and activations
+// are pure functions of (seed, rank). So every rank computes, without any communication, what
+// each of its local experts must receive (source rank ascending, then source token, once per
+// (token, expert)), the exact bytes of every received row (bf16 as sent, or
+// per_token_cast_to_fp8 of it), and the exact bf16 bits combine must return when every expert
+// returns its received rows times a per-expert factor (f32 FMAs in k order, rounded once).
+// On top of that the checks of ep.md "How the reference tests check it" are made as written
+// there (rank-encoded rows, src_info vs the token ids in the data, calc_diff of the combined
+// rows against x times the summed valid weights, 20-run hashes).
+//
+// Rank-encoded rows: the row of token t of rank r holds r in every column but the last four,
+// which hold the base-16 digits of t and a 448 marker (so the last 128-column group of an FP8
+// row has scale exactly 1 and the digits survive FP8 exactly; r <= 7 survives the other groups).
+//
+// A collective that throws on one rank makes all ranks skip the rest of that case (an
+// MPI_Allreduce of an "ok" flag), so a failure costs at most one timeout, never a hang.
+// Combine's expected sum follows docs/EP.md: a token that lists an expert twice got one row
+// from it, and only the first of those entries (its weight) counts; -1 entries and experts on
+// masked ranks count nothing. Low-latency mode is one node only for now: with simulated nodes
+// (MOEKIT_EP_RANKS_PER_NODE) only the hint/mask checks and AcrossNodesRaises run.
+#include <gtest/gtest.h>
+#include <mpi.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <numeric>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "moekit/ep.h"
+#include "moekit/error.h"
+#include "moekit/formats.h"
+#include "moekit/tensor.h"
+
+namespace moekit::ep {
+namespace {
+
+// ------------------------------------------------------------------ MPI helpers
+
+int my_rank() {
+  int r = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  return r;
+}
+
+int num_ranks() {
+  int n = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  return n;
+}
+
+// True when every rank of comm passes true.
+bool all_ranks(bool ok, MPI_Comm comm = MPI_COMM_WORLD) {
+  int mine = ok ? 1 : 0, all = 0;
+  MPI_Allreduce(&mine, &all, 1, MPI_INT, MPI_MIN, comm);
+  return all == 1;
+}
+
+// A barrier that sleeps while it waits (a rank idling through other ranks' work must not take
+// their CPU: 8 ranks share 2 cores).
+void polite_barrier(MPI_Comm comm = MPI_COMM_WORLD) {
+  MPI_Request req;
+  MPI_Ibarrier(comm, &req);
+  for (;;) {
+    int flag = 0;
+    MPI_Test(&req, &flag, MPI_STATUS_IGNORE);
+    if (flag) return;
+    ::usleep(1000);
+  }
+}
+
+// ------------------------------------------------------------------ deterministic random
+
+uint64_t splitmix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+uint64_t hash4(uint64_t a, uint64_t b, uint64_t c, uint64_t d) {
+  return splitmix64(splitmix64(splitmix64(splitmix64(a) ^ b) ^ c) ^ d);
+}
+
+// Roughly N(0, 1): Irwin-Hall of four 16-bit uniforms, rescaled.
+float normalish(uint64_t h) {
+  float s = 0.0f;
+  for (int i = 0; i < 4; ++i) s += static_cast<float>((h >> (16 * i)) & 0xffff) * (1.0f / 65536.0f);
+  return (s - 2.0f) * 1.7320508f;
+}
+
+struct Rng {
+  uint64_t state;
+  uint64_t next() { return state = splitmix64(state); }
+  uint64_t below(uint64_t n) { return next() % n; }
+  double unit() { return static_cast<double>(next() >> 11) * 0x1.0p-53; }
+};
+
+uint64_t fnv1a(uint64_t h, const void* data, size_t bytes) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  for (size_t i = 0; i < bytes; ++i) h = (h ^ p[i]) * 0x100000001b3ULL;
+  return h;
+}
+
+// ------------------------------------------------------------------ tensors
+
+template <class T>
+Tensor tensor_of(const std::vector<T>& v, const Shape& shape, DType dtype) {
+  Tensor t = Tensor::empty(shape, dtype);
+  if (!v.empty()) std::memcpy(t.data(), v.data(), v.size() * sizeof(T));
+  return t;
+}
+
+template <class T>
+std::vector<T> vector_of(const Tensor& t) {
+  const Tensor c = t.contiguous();
+  std::vector<T> v(static_cast<size_t>(c.numel()));
+  if (!v.empty()) std::memcpy(v.data(), c.data(), v.size() * sizeof(T));
+  return v;
+}
+
+std::string shape_of(const Tensor& t) { return t.defined() ? t.str() : std::string("(undefined)"); }
+
+// Address of element [a, b] of a 2-D tensor, or of [a, b, 0] of a 3-D one.
+const char* at3(const Tensor& t, int64_t a, int64_t b) {
+  const int64_t off = a * t.stride(0) + b * t.stride(1);
+  return static_cast<const char*>(t.data()) + off * static_cast<int64_t>(t.element_size());
+}
+const char* at2(const Tensor& t, int64_t r) { return static_cast<const char*>(t.data()) + r * t.stride(0) * static_cast<int64_t>(t.element_size()); }
+
+uint16_t bf16_bits(const Tensor& t, int64_t r, int64_t c) { return reinterpret_cast<const uint16_t*>(at2(t, r))[c]; }
+
+constexpr uint16_t kBf16NaN = 0x7fc0;
+
+// ------------------------------------------------------------------ buffers
+
+// A Buffer on MPI_COMM_WORLD that is destroyed (collectively) at the end of its scope.
+struct BufferGuard {
+  std::unique_ptr<Buffer> buf;
+  BufferGuard() = default;
+  BufferGuard(BufferGuard&&) = default;
+  Buffer* operator->() const { return buf.get(); }
+  Buffer& operator*() const { return *buf; }
+  ~BufferGuard() {
+    if (!buf) return;
+    try {
+      if (buf->is_available()) buf->destroy();
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "Buffer::destroy threw: " << e.what();
+    }
+  }
+};
+
+BufferGuard make_ll_buffer(int64_t rdma_bytes, BufferOptions options = {}, int64_t nvl_bytes = 1 << 20) {
+  options.low_latency_mode = true;
+  BufferGuard g;
+  g.buf = std::make_unique<Buffer>(MPI_COMM_WORLD, nvl_bytes, rdma_bytes, options);
+  return g;
+}
+
+// Runs a collective step; an exception is a failure on this rank. Returns whether every rank
+// of comm succeeded (collective), so all ranks skip what depends on it together.
+template <class F>
+bool collective_step(const std::string& what, F&& f, MPI_Comm comm = MPI_COMM_WORLD) {
+  bool ok = true;
+  try {
+    f();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << what << " threw: " << e.what();
+    ok = false;
+  }
+  return all_ranks(ok, comm);
+}
+
+#define EXPECT_EP_ERROR(stmt)                                                                        \
+  do {                                                                                               \
+    try {                                                                                            \
+      stmt;                                                                                          \
+      ADD_FAILURE() << "no moekit::Error from: " #stmt;                                              \
+    } catch (const TimeoutError& e_) {                                                               \
+      ADD_FAILURE() << "a TimeoutError (not an argument check) from: " #stmt << " -> " << e_.what(); \
+    } catch (const moekit::Error&) {                                                                 \
+    } catch (const std::exception& e_) {                                                             \
+      ADD_FAILURE() << "wrong exception type from: " #stmt << " -> " << e_.what();                   \
+    }                                                                                                \
+  } while (0)
+
+// Low-latency mode is one node only for now (docs/EP.md: an Error naming the node count
+// otherwise). The nodes a Buffer on MPI_COMM_WORLD sees (collective on first use, which is
+// the first low-latency test on every rank).
+int ll_num_nodes() {
+  static int nodes = 0;
+  if (nodes == 0) {
+    Buffer b(MPI_COMM_WORLD, 1 << 16, 0);
+    nodes = b.get_num_ranks() / b.get_num_local_ranks();
+    b.destroy();
+  }
+  return nodes;
+}
+
+#define SKIP_ACROSS_NODES()                                                                              \
+  do {                                                                                                   \
+    if (ll_num_nodes() > 1)                                                                              \
+      GTEST_SKIP() << "low-latency mode is one node only for now (docs/EP.md); EpLowLatency.AcrossNodesRaises checks that"; \
+  } while (0)
+
+// ------------------------------------------------------------------ formats and completion modes
+
+enum class Fmt { bf16, fp8, fp8_round, fp8_ue8m0 };
+enum class Completion { sync, async, hook };
+
+constexpr Fmt kFmts[] = {Fmt::bf16, Fmt::fp8, Fmt::fp8_round, Fmt::fp8_ue8m0};
+constexpr Completion kCompletions[] = {Completion::sync, Completion::async, Completion::hook};
+
+bool is_fp8(Fmt f) { return f != Fmt::bf16; }
+bool rounds_scale(Fmt f) { return f == Fmt::fp8_round || f == Fmt::fp8_ue8m0; }
+bool is_ue8m0(Fmt f) { return f == Fmt::fp8_ue8m0; }
+
+const char* fmt_name(Fmt f) {
+  switch (f) {
+    case Fmt::bf16: return "bf16";
+    case Fmt::fp8: return "fp8";
+    case Fmt::fp8_round: return "fp8+round_scale";
+    case Fmt::fp8_ue8m0: return "fp8+round_scale+use_ue8m0";
+  }
+  return "?";
+}
+
+const char* completion_name(Completion c) {
+  switch (c) {
+    case Completion::sync: return "sync";
+    case Completion::async: return "async_finish";
+    case Completion::hook: return "return_recv_hook";
+  }
+  return "?";
+}
+
+// ------------------------------------------------------------------ the world
+
+enum class Data { rank_encoded, random };
+constexpr int kIdColumns = 4;  // t / 256, t / 16 % 16, t % 16, 448
+
+void fill_row(Data d, uint64_t seed, int src, int64_t t, int64_t H, uint16_t* out) {
+  if (d == Data::rank_encoded) {
+    if (H < kIdColumns || t >= 4096 || src > 7) throw std::logic_error("rank-encoded rows need H >= 4, t < 4096, rank <= 7");
+    const uint16_t v = f32_to_bf16(static_cast<float>(src));
+    for (int64_t c = 0; c < H - kIdColumns; ++c) out[c] = v;
+    out[H - 4] = f32_to_bf16(static_cast<float>(t / 256));
+    out[H - 3] = f32_to_bf16(static_cast<float>(t / 16 % 16));
+    out[H - 2] = f32_to_bf16(static_cast<float>(t % 16));
+    out[H - 1] = f32_to_bf16(448.0f);
+    return;
+  }
+  for (int64_t c = 0; c < H; ++c)
+    out[c] = f32_to_bf16(normalish(hash4(seed, static_cast<uint64_t>(src), static_cast<uint64_t>(t), static_cast<uint64_t>(c))));
+}
+
+// Rewrites the top-k row [k] (and its weights) of token t of rank `rank` after the random
+// routing drew them.
+using Router = std::function<void(int rank, int64_t t, int64_t* row, float* weights)>;
+
+struct LLSpec {
+  int64_t hidden = 384;
+  int experts_per_rank = 3;
+  int topk = 6;
+  int64_t max_tokens = 12;
+  std::vector<int64_t> tokens;  // per rank, <= max_tokens
+  uint64_t seed = 1;
+  Data data = Data::random;
+  double p_drop_entry = 0.15;  // an entry becomes -1
+  double p_drop_token = 0.05;  // a token routes nowhere (all -1)
+  double p_repeat = 0.12;      // an entry repeats an earlier entry of the same token
+  Router router;               // overrides the random routing when set
+};
+
+struct LLWorld {
+  LLSpec spec;
+  int R = 0, El = 0, E = 0, k = 0;
+  int64_t H = 0, max = 0;
+  std::vector<std::vector<int64_t>> topk;   // [rank][t * k + j]
+  std::vector<std::vector<float>> weights;  // [rank][t * k + j]
+  std::vector<Tensor> x;                    // [rank] bf16 [T, H]
+
+  int64_t T(int i) const { return spec.tokens[static_cast<size_t>(i)]; }
+  int64_t expert_of(int i, int64_t t, int j) const { return topk[static_cast<size_t>(i)][static_cast<size_t>(t * k + j)]; }
+  float weight_of(int i, int64_t t, int j) const { return weights[static_cast<size_t>(i)][static_cast<size_t>(t * k + j)]; }
+  // Entry j of token t is the first occurrence of its (valid) expert in the token's list.
+  bool first_occurrence(int i, int64_t t, int j) const {
+    const int64_t e = expert_of(i, t, j);
+    if (e < 0) return false;
+    for (int q = 0; q < j; ++q)
+      if (expert_of(i, t, q) == e) return false;
+    return true;
+  }
+  Tensor topk_tensor() const { return tensor_of(topk[static_cast<size_t>(my_rank())], {T(my_rank()), k}, DType::i64); }
+  Tensor weights_tensor() const { return tensor_of(weights[static_cast<size_t>(my_rank())], {T(my_rank()), k}, DType::f32); }
+  int64_t slots() const { return max * R; }
+  int64_t hint() const { return get_low_latency_rdma_size_hint(max, H, R, E); }
+};
+
+LLWorld make_ll_world(LLSpec spec) {
+  LLWorld w;
+  w.R = num_ranks();
+  if (spec.tokens.size() != static_cast<size_t>(w.R)) throw std::logic_error("LLSpec.tokens needs one entry per rank");
+  w.El = spec.experts_per_rank;
+  w.E = w.El * w.R;
+  w.k = spec.topk;
+  w.H = spec.hidden;
+  w.max = spec.max_tokens;
+  if (w.k > w.E && !spec.router) throw std::logic_error("top-k larger than the expert count");
+  for (int i = 0; i < w.R; ++i) {
+    const int64_t T = spec.tokens[static_cast<size_t>(i)];
+    if (T > w.max) throw std::logic_error("a rank has more tokens than max_tokens");
+    Rng rng{hash4(spec.seed, 0x11a7, static_cast<uint64_t>(i), 0)};
+    std::vector<int64_t> idx(static_cast<size_t>(T * w.k), -1);
+    std::vector<float> wt(static_cast<size_t>(T * w.k));
+    for (int64_t t = 0; t < T; ++t) {
+      int64_t* row = idx.data() + t * w.k;
+      const bool nowhere = rng.unit() < spec.p_drop_token;
+      std::vector<int64_t> pool(static_cast<size_t>(w.E));
+      std::iota(pool.begin(), pool.end(), 0);
+      for (int j = 0; j < w.k && j < w.E; ++j) {
+        const size_t pick = static_cast<size_t>(j) + static_cast<size_t>(rng.below(pool.size() - static_cast<size_t>(j)));
+        std::swap(pool[static_cast<size_t>(j)], pool[pick]);
+        int64_t e = pool[static_cast<size_t>(j)];
+        if (j > 0 && rng.unit() < spec.p_repeat) e = row[rng.below(static_cast<uint64_t>(j))];
+        if (nowhere || rng.unit() < spec.p_drop_entry) e = -1;
+        row[j] = e;
+        // Full 24-bit mantissas (so w * y is inexact in f32 and one FMA differs from a
+        // multiply then an add); nonzero even for -1 entries (combine must skip those).
+        wt[static_cast<size_t>(t * w.k + j)] = 0.25f + static_cast<float>(rng.unit());
+      }
+      if (spec.router) spec.router(i, t, row, wt.data() + t * w.k);
+    }
+    Tensor x = Tensor::empty({T, w.H}, DType::bf16);
+    for (int64_t t = 0; t < T; ++t) fill_row(spec.data, spec.seed, i, t, w.H, x.data_ptr<uint16_t>() + t * w.H);
+    w.topk.push_back(std::move(idx));
+    w.weights.push_back(std::move(wt));
+    w.x.push_back(std::move(x));
+  }
+  w.spec = std::move(spec);
+  return w;
+}
+
+std::vector<int64_t> tokens_per_rank(const std::function<int64_t(int)>& f) {
+  std::vector<int64_t> t;
+  for (int i = 0; i < num_ranks(); ++i) t.push_back(f(i));
+  return t;
+}
+
+// T = 0 on rank 0 (and every fourth), T = max on rank 1 (and every fourth), others between.
+std::vector<int64_t> mixed_tokens(int64_t max) {
+  return tokens_per_rank([max](int i) -> int64_t {
+    if (i % 4 == 0) return 0;
+    if (i % 4 == 1) return max;
+    return 1 + (5 * i + 3) % max;
+  });
+}
+
+std::vector<int> no_mask() { return std::vector<int>(static_cast<size_t>(num_ranks()), 0); }
+
+// What rank `me` must receive, per local expert: (source rank, source token), source rank
+// ascending then token ascending, once per (token, expert); nothing from masked ranks.
+struct LLExpected {
+  std::vector<std::vector<std::pair<int, int64_t>>> rows;  // [El]
+  std::vector<std::vector<int64_t>> from;                  // [El][R] rows from each rank
+  std::vector<int32_t> counts;                             // [El]
+};
+
+LLExpected expect_recv(const LLWorld& w, int me, const std::vector<int>& masked) {
+  LLExpected ex;
+  ex.rows.resize(static_cast<size_t>(w.El));
+  ex.from.assign(static_cast<size_t>(w.El), std::vector<int64_t>(static_cast<size_t>(w.R), 0));
+  for (int el = 0; el < w.El; ++el) {
+    const int64_t e = static_cast<int64_t>(me) * w.El + el;
+    for (int s = 0; s < w.R; ++s) {
+      if (masked[static_cast<size_t>(s)]) continue;
+      for (int64_t t = 0; t < w.T(s); ++t) {
+        bool chosen = false;
+        for (int j = 0; j < w.k; ++j) chosen |= w.expert_of(s, t, j) == e;
+        if (!chosen) continue;
+        ex.rows[static_cast<size_t>(el)].emplace_back(s, t);
+        ++ex.from[static_cast<size_t>(el)][static_cast<size_t>(s)];
+      }
+    }
+    ex.counts.push_back(static_cast<int32_t>(ex.rows[static_cast<size_t>(el)].size()));
+  }
+  return ex;
+}
+
+// What every source rank sends, in the call's format.
+struct SourceForms {
+  std::vector<Quantized> q;    // [rank] e4m3 [T, H] + f32 sf [T, G] (powers of two with round_scale)
+  std::vector<Tensor> packed;  // [rank] i32 [T, ceil(G / 4)] with use_ue8m0
+};
+
+SourceForms source_forms(const LLWorld& w, Fmt f) {
+  SourceForms sf;
+  sf.q.resize(static_cast<size_t>(w.R));
+  sf.packed.resize(static_cast<size_t>(w.R));
+  if (!is_fp8(f)) return sf;
+  for (int s = 0; s < w.R; ++s) {
+    if (w.T(s) == 0) continue;
+    sf.q[static_cast<size_t>(s)] = per_token_cast_to_fp8(w.x[static_cast<size_t>(s)], rounds_scale(f), 128);
+    if (is_ue8m0(f)) sf.packed[static_cast<size_t>(s)] = pack_ue8m0_to_int(sf.q[static_cast<size_t>(s)].sf);
+  }
+  return sf;
+}
+
+// ------------------------------------------------------------------ dispatch
+
+LowLatencyDispatchArgs dispatch_args(const LLWorld& w, Fmt f, Completion c, Tensor stats = Tensor()) {
+  LowLatencyDispatchArgs a;
+  a.x = w.x[static_cast<size_t>(my_rank())];
+  a.topk_idx = w.topk_tensor();
+  a.num_max_dispatch_tokens_per_rank = w.max;
+  a.num_experts = w.E;
+  a.cumulative_local_expert_recv_stats = std::move(stats);
+  a.use_fp8 = is_fp8(f);
+  a.round_scale = rounds_scale(f);
+  a.use_ue8m0 = is_ue8m0(f);
+  a.async_finish = c == Completion::async;
+  a.return_recv_hook = c == Completion::hook;
+  return a;
+}
+
+// Completes a dispatch or combine result the way its mode says.
+template <class Result>
+void complete(Result& r, Completion c) {
+  if (c == Completion::hook) {
+    ASSERT_TRUE(static_cast<bool>(r.hook)) << "return_recv_hook gave no hook";
+    r.hook();
+  } else {
+    if (c == Completion::sync) {
+      EXPECT_FALSE(static_cast<bool>(r.hook)) << "a hook without return_recv_hook";
+    }
+    r.event.wait();
+    EXPECT_TRUE(r.event.done());
+  }
+}
+
+LowLatencyDispatchResult run_dispatch(Buffer& buf, const LowLatencyDispatchArgs& a, Completion c) {
+  LowLatencyDispatchResult r = buf.low_latency_dispatch(a);
+  complete(r, c);
+  return r;
+}
+
+// Every check of one dispatch result against the world (masked: ranks this rank masks).
+void check_ll_dispatch(const LowLatencyDispatchResult& r, const LLWorld& w, Fmt f, const std::vector<int>& masked) {
+  const int me = my_rank(), R = w.R, El = w.El;
+  const int64_t H = w.H, slots = w.slots(), G = (H + 127) / 128, W = (G + 3) / 4;
+  ASSERT_TRUE(r.recv_x.defined());
+  ASSERT_EQ(r.recv_x.dtype(), is_fp8(f) ? DType::e4m3 : DType::bf16) << shape_of(r.recv_x);
+  ASSERT_EQ(r.recv_x.shape(), (Shape{El, slots, H})) << shape_of(r.recv_x);
+  ASSERT_EQ(r.recv_x.stride(2), 1);
+  if (!is_fp8(f)) {
+    EXPECT_FALSE(r.recv_x_scales.defined()) << shape_of(r.recv_x_scales);
+  } else {
+    ASSERT_TRUE(r.recv_x_scales.defined());
+    ASSERT_EQ(r.recv_x_scales.dtype(), is_ue8m0(f) ? DType::i32 : DType::f32) << shape_of(r.recv_x_scales);
+    ASSERT_EQ(r.recv_x_scales.shape(), (Shape{El, slots, is_ue8m0(f) ? W : G})) << shape_of(r.recv_x_scales);
+    ASSERT_EQ(r.recv_x_scales.stride(2), 1);
+  }
+  ASSERT_TRUE(r.recv_count.defined());
+  ASSERT_EQ(r.recv_count.dtype(), DType::i32);
+  ASSERT_EQ(r.recv_count.shape(), (Shape{El}));
+  const LowLatencyHandle& h = r.handle;
+  ASSERT_TRUE(h.defined());
+  EXPECT_EQ(h.num_max_dispatch_tokens_per_rank, w.max);
+  EXPECT_EQ(h.hidden, H);
+  EXPECT_EQ(h.num_experts, w.E);
+  ASSERT_TRUE(h.src_info.defined());
+  ASSERT_EQ(h.src_info.dtype(), DType::i32);
+  ASSERT_EQ(h.src_info.shape(), (Shape{El, slots})) << shape_of(h.src_info);
+  ASSERT_TRUE(h.layout_range.defined());
+  ASSERT_EQ(h.layout_range.dtype(), DType::i64);
+  ASSERT_EQ(h.layout_range.shape(), (Shape{El, R})) << shape_of(h.layout_range);
+
+  const LLExpected ex = expect_recv(w, me, masked);
+  const std::vector<int32_t> counts = vector_of<int32_t>(r.recv_count);
+  EXPECT_EQ(counts, ex.counts) << "recv_count (per local expert)";
+
+  // layout_range: begin << 32 | count per (local expert, source rank), begins = prefix sums.
+  const std::vector<int64_t> range = vector_of<int64_t>(h.layout_range);
+  for (int el = 0; el < El; ++el) {
+    int64_t begin = 0;
+    for (int s = 0; s < R; ++s) {
+      const int64_t v = range[static_cast<size_t>(el * R + s)];
+      const int64_t want = ex.from[static_cast<size_t>(el)][static_cast<size_t>(s)];
+      EXPECT_EQ(v & 0xffffffffLL, want) << "layout_range count of local expert " << el << " from rank " << s;
+      if (want > 0) {
+        EXPECT_EQ(v >> 32, begin) << "layout_range begin of local expert " << el << " from rank " << s;
+      } else {
+        EXPECT_GE(v >> 32, 0) << "layout_range begin of local expert " << el << " from rank " << s;
+        EXPECT_LE(v >> 32, ex.counts[static_cast<size_t>(el)]) << "layout_range begin of local expert " << el << " from rank " << s;
+      }
+      begin += want;
+    }
+  }
+
+  // Rows: src_info, and the bytes (and scales) each source sent.
+  const SourceForms forms = source_forms(w, f);
+  const std::vector<int32_t> src_info = vector_of<int32_t>(h.src_info);
+  const size_t row_bytes = static_cast<size_t>(H) * (is_fp8(f) ? 1 : 2);
+  int64_t bad_src = 0, bad_row = 0, bad_scale = 0;
+  std::string first_src, first_row, first_scale;
+  for (int el = 0; el < El; ++el) {
+    const auto& rows = ex.rows[static_cast<size_t>(el)];
+    if (counts[static_cast<size_t>(el)] != static_cast<int32_t>(rows.size())) continue;  // reported above
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const auto [s, t] = rows[i];
+      std::ostringstream where;
+      where << "local expert " << el << " row " << i << " (source rank " << s << ", token " << t << ")";
+      if (src_info[static_cast<size_t>(el * slots) + i] != t && bad_src++ == 0)
+        first_src = where.str() + ": src_info " + std::to_string(src_info[static_cast<size_t>(el * slots) + i]);
+      const auto ri = static_cast<int64_t>(i);
+      const char* got = at3(r.recv_x, el, ri);
+      const char* want = is_fp8(f) ? at2(forms.q[static_cast<size_t>(s)].values, t) : at2(w.x[static_cast<size_t>(s)], t);
+      if (std::memcmp(got, want, row_bytes) != 0 && bad_row++ == 0) first_row = where.str();
+      if (is_fp8(f)) {
+        const Tensor& want_sf = is_ue8m0(f) ? forms.packed[static_cast<size_t>(s)] : forms.q[static_cast<size_t>(s)].sf;
+        const size_t sf_bytes = static_cast<size_t>(is_ue8m0(f) ? W : G) * 4;
+        if (std::memcmp(at3(r.recv_x_scales, el, ri), at2(want_sf, t), sf_bytes) != 0 && bad_scale++ == 0)
+          first_scale = where.str();
+      }
+    }
+  }
+  EXPECT_EQ(bad_src, 0) << "received rows whose src_info is not the source token; first: " << first_src;
+  EXPECT_EQ(bad_row, 0) << "received rows that differ from what the source sent ("
+                        << (is_fp8(f) ? "per_token_cast_to_fp8 of its row" : "its bf16 row") << "); first: " << first_row;
+  if (is_fp8(f)) {
+    EXPECT_EQ(bad_scale, 0) << "received scales that differ from "
+                            << (is_ue8m0(f) ? "pack_ue8m0_to_int of the power-of-two scales" : "per_token_cast_to_fp8's scales")
+                            << "; first: " << first_scale;
+  }
+
+  // ep.md "Rank-encoded data": segment s (layout_range) holds value s; the id columns hold the
+  // source token ids, ascending, equal to src_info. Read through the received data only.
+  if (w.spec.data != Data::rank_encoded) return;
+  for (int el = 0; el < El; ++el) {
+    const int32_t n = std::min<int32_t>(counts[static_cast<size_t>(el)], static_cast<int32_t>(slots));
+    if (n <= 0) continue;
+    Tensor seen = r.recv_x.select(0, el).slice(0, 0, n);
+    if (is_fp8(f)) seen = cast_back_from_fp8(seen, r.recv_x_scales.select(0, el).slice(0, 0, n), DType::bf16);
+    int64_t next = 0;
+    for (int s = 0; s < R; ++s) {
+      const int64_t v = range[static_cast<size_t>(el * R + s)], begin = v >> 32, count = v & 0xffffffffLL;
+      if (count == 0) continue;
+      ASSERT_EQ(begin, next) << "local expert " << el << ": segments of layout_range do not tile the rows in rank order";
+      ASSERT_LE(begin + count, n);
+      int64_t previous = -1;
+      for (int64_t row = begin; row < begin + count; ++row) {
+        for (int64_t c = 0; c < H - kIdColumns; ++c)
+          if (bf16_to_f32(bf16_bits(seen, row, c)) != static_cast<float>(s)) {
+            ADD_FAILURE() << "local expert " << el << " row " << row << " of source segment " << s << ", column " << c << ": "
+                          << bf16_to_f32(bf16_bits(seen, row, c)) << ", expected " << s;
+            return;
+          }
+        ASSERT_EQ(bf16_to_f32(bf16_bits(seen, row, H - 1)), 448.0f) << "local expert " << el << " row " << row;
+        const int64_t id = static_cast<int64_t>(bf16_to_f32(bf16_bits(seen, row, H - 4))) * 256 +
+                           static_cast<int64_t>(bf16_to_f32(bf16_bits(seen, row, H - 3))) * 16 +
+                           static_cast<int64_t>(bf16_to_f32(bf16_bits(seen, row, H - 2)));
+        ASSERT_EQ(id, src_info[static_cast<size_t>(el * slots + row)])
+            << "local expert " << el << " row " << row << " (segment " << s << "): token id in the data vs src_info";
+        ASSERT_GT(id, previous) << "local expert " << el << " row " << row << " (segment " << s << "): source tokens not ascending";
+        previous = id;
+      }
+      next = begin + count;
+    }
+    EXPECT_EQ(next, n) << "local expert " << el << ": layout_range segments do not cover recv_count rows";
+  }
+}
+
+// Hash of everything valid in a dispatch result (rows past recv_count are unspecified).
+uint64_t dispatch_fingerprint(const LowLatencyDispatchResult& r, uint64_t h = 0xcbf29ce484222325ULL) {
+  const std::vector<int32_t> counts = vector_of<int32_t>(r.recv_count);
+  h = fnv1a(h, counts.data(), counts.size() * 4);
+  const std::vector<int64_t> range = vector_of<int64_t>(r.handle.layout_range);
+  h = fnv1a(h, range.data(), range.size() * 8);
+  for (size_t el = 0; el < counts.size(); ++el) {
+    const int64_t n = std::clamp<int64_t>(counts[el], 0, r.recv_x.size(1));
+    const auto e = static_cast<int64_t>(el);
+    for (int64_t i = 0; i < n; ++i) {
+      h = fnv1a(h, at3(r.recv_x, e, i), static_cast<size_t>(r.recv_x.size(2)) * r.recv_x.element_size());
+      if (r.recv_x_scales.defined())
+        h = fnv1a(h, at3(r.recv_x_scales, e, i), static_cast<size_t>(r.recv_x_scales.size(2)) * r.recv_x_scales.element_size());
+      h = fnv1a(h, at3(r.handle.src_info, e, i), 4);
+    }
+  }
+  return h;
+}
+
+// ------------------------------------------------------------------ combine
+
+// What the experts return: their received rows unchanged, times a per-expert factor, or
+// times factors of equal size and opposite signs for experts 2p and 2p + 1 (a token that
+// chose both gets (w - w') * y: a sum that cancels, so its bf16 result shows every f32
+// rounding of the terms and their order).
+enum class Expert { identity, scaled, cancelling };
+
+// Expert e returns its received rows times this factor (exact in f32).
+float expert_factor(int64_t e, Expert kind) {
+  switch (kind) {
+    case Expert::identity: return 1.0f;
+    case Expert::scaled: return 0.5f + 0.125f * static_cast<float>((e * 5 + 3) % 11);
+    case Expert::cancelling: return (e % 2 ? -1.0f : 1.0f) * (0.5f + 0.125f * static_cast<float>((e / 2 * 5 + 3) % 11));
+  }
+  return 0.0f;
+}
+
+uint16_t expert_output(float factor, uint16_t seen) { return f32_to_bf16(factor * bf16_to_f32(seen)); }
+
+// The expert side: y[el, row] = factor(e) * (the received row, FP8 cast back to bf16) for the
+// valid rows of dst (bf16 [El, slots, H]); every other row NaN (combine must never read them).
+void write_expert_outputs(const Tensor& dst, const LowLatencyDispatchResult& r, const LLWorld& w, Fmt f, Expert kind) {
+  const int me = my_rank();
+  ASSERT_EQ(dst.dtype(), DType::bf16);
+  ASSERT_EQ(dst.shape(), (Shape{w.El, w.slots(), w.H})) << shape_of(dst);
+  ASSERT_EQ(dst.stride(2), 1);
+  for (int64_t el = 0; el < w.El; ++el)
+    for (int64_t i = 0; i < w.slots(); ++i) {
+      auto* row = reinterpret_cast<uint16_t*>(const_cast<char*>(at3(dst, el, i)));
+      std::fill_n(row, w.H, kBf16NaN);
+    }
+  const std::vector<int32_t> counts = vector_of<int32_t>(r.recv_count);
+  for (int64_t el = 0; el < w.El; ++el) {
+    const int64_t n = std::clamp<int64_t>(counts[static_cast<size_t>(el)], 0, w.slots());
+    if (n == 0) continue;
+    Tensor seen = r.recv_x.select(0, el).slice(0, 0, n);
+    if (is_fp8(f)) seen = cast_back_from_fp8(seen, r.recv_x_scales.select(0, el).slice(0, 0, n), DType::bf16);
+    const float factor = expert_factor(static_cast<int64_t>(me) * w.El + el, kind);
+    for (int64_t i = 0; i < n; ++i) {
+      auto* out = reinterpret_cast<uint16_t*>(const_cast<char*>(at3(dst, el, i)));
+      for (int64_t c = 0; c < w.H; ++c) out[c] = expert_output(factor, bf16_bits(seen, i, c));
+    }
+  }
+}
+
+// What an expert receives from this rank, as bf16: x, or its FP8 quantisation cast back.
+Tensor owner_seen(const LLWorld& w, Fmt f) {
+  const Tensor& x = w.x[static_cast<size_t>(my_rank())];
+  if (!is_fp8(f) || x.size(0) == 0) return x;
+  const Quantized q = per_token_cast_to_fp8(x, rounds_scale(f), 128);
+  return cast_back_from_fp8(q.values, q.sf, DType::bf16);
+}
+
+// out[t] = bf16(sum_k w[t, k] * y(t, e_k)) with one f32 FMA per term, k ascending, skipping -1,
+// repeated experts and experts on masked ranks (docs/EP.md).
+std::vector<uint16_t> expected_combined(const LLWorld& w, Fmt f, Expert kind, const std::vector<int>& masked) {
+  const int me = my_rank();
+  const int64_t T = w.T(me), H = w.H;
+  const Tensor seen = owner_seen(w, f);
+  std::vector<uint16_t> out(static_cast<size_t>(T * H));
+  std::vector<std::pair<float, float>> terms;  // (weight, factor)
+  for (int64_t t = 0; t < T; ++t) {
+    terms.clear();
+    for (int j = 0; j < w.k; ++j) {
+      if (!w.first_occurrence(me, t, j)) continue;
+      const int64_t e = w.expert_of(me, t, j);
+      if (masked[static_cast<size_t>(e / w.El)]) continue;
+      terms.emplace_back(w.weight_of(me, t, j), expert_factor(e, kind));
+    }
+    for (int64_t c = 0; c < H; ++c) {
+      const uint16_t v = bf16_bits(seen, t, c);
+      float acc = 0.0f;
+      for (const auto& [wt, factor] : terms) acc = std::fma(wt, bf16_to_f32(expert_output(factor, v)), acc);
+      out[static_cast<size_t>(t * H + c)] = f32_to_bf16(acc);
+    }
+  }
+  return out;
+}
+
+void expect_combined(const Tensor& out, const std::vector<uint16_t>& want, const LLWorld& w, const std::string& what) {
+  const int64_t T = w.T(my_rank()), H = w.H;
+  ASSERT_TRUE(out.defined()) << what;
+  ASSERT_EQ(out.dtype(), DType::bf16) << what;
+  ASSERT_EQ(out.shape(), (Shape{T, H})) << what << ": " << shape_of(out);
+  ASSERT_EQ(out.stride(1), 1) << what;
+  int64_t bad = 0, ft = -1, fc = -1;
+  uint16_t fg = 0, fw = 0;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t c = 0; c < H; ++c) {
+      const uint16_t g = bf16_bits(out, t, c), x = want[static_cast<size_t>(t * H + c)];
+      if (g != x && bad++ == 0) ft = t, fc = c, fg = g, fw = x;
+    }
+  EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << T * H << " combined elements differ from the f32 FMA sum (k order, one bf16 rounding); first: token "
+                    << ft << " column " << fc << ": got " << bf16_to_f32(fg) << " (0x" << std::hex << fg << "), expected " << std::dec
+                    << bf16_to_f32(fw) << " (0x" << std::hex << fw << std::dec << ")";
+}
+
+// ep.md: calc_diff(x * sum of valid weights, out) < 1e-5 when every expert returns its rows
+// unchanged (bf16 dispatch).
+void expect_spec_calc_diff(const Tensor& out, const LLWorld& w, const std::vector<int>& masked) {
+  const int me = my_rank();
+  const int64_t T = w.T(me), H = w.H;
+  if (T == 0 || !out.defined() || out.shape() != Shape{T, H}) return;
+  std::vector<float> ref(static_cast<size_t>(T * H)), got(static_cast<size_t>(T * H));
+  const Tensor& x = w.x[static_cast<size_t>(me)];
+  for (int64_t t = 0; t < T; ++t) {
+    float sum = 0.0f;
+    for (int j = 0; j < w.k; ++j)
+      if (w.first_occurrence(me, t, j) && !masked[static_cast<size_t>(w.expert_of(me, t, j) / w.El)]) sum += w.weight_of(me, t, j);
+    for (int64_t c = 0; c < H; ++c) {
+      ref[static_cast<size_t>(t * H + c)] = bf16_to_f32(bf16_bits(x, t, c)) * sum;
+      got[static_cast<size_t>(t * H + c)] = bf16_to_f32(bf16_bits(out, t, c));
+    }
+  }
+  const double diff = calc_diff(Tensor::from_blob(ref.data(), {T, H}, DType::f32), Tensor::from_blob(got.data(), {T, H}, DType::f32));
+  EXPECT_LT(diff, 1e-5) << "calc_diff(x * sum of valid weights, combined_x)";
+}
+
+LowLatencyCombineArgs combine_args(const LLWorld& w, const LowLatencyDispatchResult& r, const Tensor& x, Completion c) {
+  LowLatencyCombineArgs a;
+  a.x = x;
+  a.topk_idx = w.topk_tensor();
+  a.topk_weights = w.weights_tensor();
+  a.handle = r.handle;
+  a.async_finish = c == Completion::async;
+  a.return_recv_hook = c == Completion::hook;
+  return a;
+}
+
+LowLatencyCombineResult run_combine(Buffer& buf, const LowLatencyCombineArgs& a, Completion c) {
+  LowLatencyCombineResult r = buf.low_latency_combine(a);
+  complete(r, c);
+  return r;
+}
+
+// Expert outputs in private memory, then combine (the most common path).
+LowLatencyCombineResult combine_private(Buffer& buf, const LLWorld& w, const LowLatencyDispatchResult& r, Fmt f, Expert kind,
+                                        Completion c) {
+  Tensor y = Tensor::empty({w.El, w.slots(), w.H}, DType::bf16);
+  write_expert_outputs(y, r, w, f, kind);
+  return run_combine(buf, combine_args(w, r, y, c), c);
+}
+
+// Expert outputs written into get_next_low_latency_combine_buffer, combine with zero_copy.
+LowLatencyCombineResult combine_zero_copy(Buffer& buf, const LLWorld& w, const LowLatencyDispatchResult& r, Fmt f, Expert kind,
+                                          Completion c) {
+  Tensor y = buf.get_next_low_latency_combine_buffer(r.handle);
+  write_expert_outputs(y, r, w, f, kind);
+  LowLatencyCombineArgs a = combine_args(w, r, y, c);
+  a.zero_copy = true;
+  return run_combine(buf, a, c);
+}
+
+std::vector<uint16_t> bits_of(const Tensor& out) {
+  std::vector<uint16_t> v;
+  if (!out.defined() || out.dim() != 2) return v;
+  for (int64_t t = 0; t < out.size(0); ++t)
+    for (int64_t c = 0; c < out.size(1); ++c) v.push_back(bf16_bits(out, t, c));
+  return v;
+}
+
+// ------------------------------------------------------------------ one dispatch + combine case
+
+struct CaseResult {
+  LowLatencyDispatchResult dispatch;
+  bool ok = false;  // every collective step completed on every rank
+};
+
+// Dispatch (checked), then combine with per-expert factors from private memory (checked
+// exactly); for bf16 also the spec's identity combine straight from recv_x (in place).
+CaseResult run_case(Buffer& buf, const LLWorld& w, Fmt f, Completion c, const std::vector<int>& masked, Tensor stats = Tensor(),
+                    MPI_Comm comm = MPI_COMM_WORLD) {
+  CaseResult out;
+  if (!collective_step(std::string("low_latency_dispatch (") + fmt_name(f) + ", " + completion_name(c) + ")",
+                       [&] { out.dispatch = run_dispatch(buf, dispatch_args(w, f, c, stats), c); }, comm))
+    return out;
+  {
+    SCOPED_TRACE("dispatch");
+    check_ll_dispatch(out.dispatch, w, f, masked);
+  }
+  LowLatencyCombineResult comb;
+  if (!collective_step("low_latency_combine", [&] { comb = combine_private(buf, w, out.dispatch, f, Expert::scaled, c); }, comm)) return out;
+  {
+    SCOPED_TRACE("combine (per-expert factors, private x)");
+    expect_combined(comb.combined_x, expected_combined(w, f, Expert::scaled, masked), w, "combined_x");
+  }
+  if (f == Fmt::bf16) {
+    LowLatencyCombineResult ident;
+    if (!collective_step("low_latency_combine (identity, x = recv_x)",
+                         [&] { ident = run_combine(buf, combine_args(w, out.dispatch, out.dispatch.recv_x, c), c); }, comm))
+      return out;
+    SCOPED_TRACE("combine (experts return recv_x unchanged, in place)");
+    expect_combined(ident.combined_x, expected_combined(w, f, Expert::identity, masked), w, "combined_x");
+    expect_spec_calc_diff(ident.combined_x, w, masked);
+  }
+  out.ok = true;
+  return out;
+}
+
+// ------------------------------------------------------------------ tests: hint and masks (local)
+
+TEST(EpLowLatency, SizeHintAndMaskBuffer) {
+  const int R = num_ranks(), me = my_rank();
+  ASSERT_GE(ll_num_nodes(), 1);  // (collective: every rank makes the first call here)
+  const int64_t hint = get_low_latency_rdma_size_hint(16, 384, R, 4 * R);
+  EXPECT_GT(hint, 0);
+  EXPECT_GE(get_low_latency_rdma_size_hint(16, 7168, R, 4 * R), hint);
+  EXPECT_GE(get_low_latency_rdma_size_hint(32, 384, R, 4 * R), hint);
+  EXPECT_EQ(get_low_latency_rdma_size_hint(16, 384, R, 4 * R), hint) << "not a pure function of its arguments";
+  EXPECT_EP_ERROR(get_low_latency_rdma_size_hint(0, 384, R, 4 * R));
+  EXPECT_EP_ERROR(get_low_latency_rdma_size_hint(16, 0, R, 4 * R));
+  EXPECT_EP_ERROR(get_low_latency_rdma_size_hint(16, 384, R, 0));
+  if (R > 1) EXPECT_EP_ERROR(get_low_latency_rdma_size_hint(16, 384, R, 4 * R + 1));
+
+  BufferGuard buf = make_ll_buffer(hint);
+  const std::vector<int32_t> zeros(static_cast<size_t>(R), 0);
+  Tensor q = buf->low_latency_query_mask_buffer();
+  ASSERT_TRUE(q.defined());
+  EXPECT_EQ(q.dtype(), DType::i32);
+  EXPECT_EQ(q.shape(), (Shape{R}));
+  EXPECT_EQ(vector_of<int32_t>(q), zeros) << "a fresh buffer masks nobody";
+  EXPECT_EP_ERROR(buf->low_latency_update_mask_buffer(me));  // a rank cannot mask itself
+  EXPECT_EP_ERROR(buf->low_latency_update_mask_buffer(-1));
+  EXPECT_EP_ERROR(buf->low_latency_update_mask_buffer(R));
+  EXPECT_EQ(vector_of<int32_t>(buf->low_latency_query_mask_buffer()), zeros) << "failed updates changed the mask";
+  if (R > 1) {
+    const int other = (me + 1) % R;
+    buf->low_latency_update_mask_buffer(other);
+    std::vector<int32_t> want = zeros;
+    want[static_cast<size_t>(other)] = 1;
+    EXPECT_EQ(vector_of<int32_t>(buf->low_latency_query_mask_buffer()), want);
+    EXPECT_EQ(vector_of<int32_t>(q), zeros) << "an earlier query result is a snapshot";
+    buf->low_latency_update_mask_buffer(other, false);
+    EXPECT_EQ(vector_of<int32_t>(buf->low_latency_query_mask_buffer()), zeros) << "update_mask_buffer(rank, false) unmasks";
+    buf->low_latency_update_mask_buffer(other);
+    if (R > 2) buf->low_latency_update_mask_buffer((me + 2) % R);
+    buf->low_latency_clean_mask_buffer();
+    EXPECT_EQ(vector_of<int32_t>(buf->low_latency_query_mask_buffer()), zeros) << "clean_mask_buffer unmasks everyone";
+  }
+  // After all that (local) traffic a low-latency round still works on every rank.
+  if (ll_num_nodes() > 1) return;  // low-latency mode is one node only for now
+  const LLWorld w = make_ll_world([&] {
+    LLSpec s;
+    s.hidden = 384;
+    s.experts_per_rank = 4;
+    s.topk = std::min(4, 4 * R);
+    s.max_tokens = 16;
+    s.tokens = mixed_tokens(16);
+    s.seed = 11;
+    return s;
+  }());
+  SCOPED_TRACE("a round after mask updates");
+  run_case(*buf, w, Fmt::fp8, Completion::sync, no_mask());
+}
+
+// ------------------------------------------------------------------ tests: dispatch + combine
+
+// Every format x every completion mode, for three hidden sizes (one 128-column group; a
+// partial last group and a row length that is not a multiple of 16, i.e. vector kernels with
+// a scalar tail; three groups, i.e. a partial ue8m0 word), rank-encoded and random rows, with
+// a cumulative stats tensor accumulated over all calls.
+TEST(EpLowLatency, DispatchCombineEveryMode) {
+  SKIP_ACROSS_NODES();
+  const int R = num_ranks();
+  for (int64_t H : {int64_t{128}, int64_t{200}, int64_t{384}}) {
+    SCOPED_TRACE("H=" + std::to_string(H));
+    LLSpec s;
+    s.hidden = H;
+    s.experts_per_rank = 3;
+    s.topk = std::min(6, 3 * R);
+    s.max_tokens = 12;
+    s.tokens = mixed_tokens(12);
+    s.seed = 100 + static_cast<uint64_t>(H);
+    // Besides the random -1 entries, repeats and empty tokens: token 2 of every rank routes
+    // nowhere, token 3 lists one expert first and last, token 4 has a -1 entry.
+    s.router = [](int i, int64_t t, int64_t* row, float*) {
+      const int k = std::min(6, 3 * num_ranks()), E = 3 * num_ranks();
+      if (t == 2) std::fill_n(row, k, int64_t{-1});
+      if (t == 3) row[0] = row[k - 1] = (7 * i + 1) % E;
+      if (t == 4) row[1] = -1;
+    };
+    LLSpec s2 = s;
+    s2.data = Data::rank_encoded;
+    s2.seed += 1;
+    const LLWorld worlds[2] = {make_ll_world(s), make_ll_world(s2)};
+    // The worlds must hold what the test is about (a check of this test itself).
+    for (const LLWorld& w : worlds) {
+      int64_t minus_one = 0, repeats = 0, nowhere = 0;
+      for (int i = 0; i < w.R; ++i)
+        for (int64_t t = 0; t < w.T(i); ++t) {
+          int valid = 0;
+          for (int j = 0; j < w.k; ++j) {
+            minus_one += w.expert_of(i, t, j) < 0;
+            repeats += w.expert_of(i, t, j) >= 0 && !w.first_occurrence(i, t, j);
+            valid += w.expert_of(i, t, j) >= 0;
+          }
+          nowhere += valid == 0;
+        }
+      EXPECT_GT(minus_one, 0) << "no -1 entries in the world";
+      EXPECT_GT(repeats, 0) << "no token lists an expert twice";
+      EXPECT_GT(nowhere, 0) << "no token routes nowhere";
+    }
+    BufferGuard buf = make_ll_buffer(std::max(worlds[0].hint(), worlds[1].hint()));
+    Tensor stats = Tensor::zeros({worlds[0].El}, DType::i32);
+    std::vector<int64_t> want_stats(static_cast<size_t>(worlds[0].El), 0);
+    int index = 0;
+    for (Fmt f : kFmts)
+      for (Completion c : kCompletions) {
+        const LLWorld& w = worlds[index++ % 2];
+        SCOPED_TRACE(std::string(fmt_name(f)) + ", " + completion_name(c) + ", " +
+                     (w.spec.data == Data::rank_encoded ? "rank-encoded" : "random") + " rows");
+        const CaseResult res = run_case(*buf, w, f, c, no_mask(), stats);
+        if (!res.ok) return;
+        const LLExpected ex = expect_recv(w, my_rank(), no_mask());
+        for (int el = 0; el < w.El; ++el) want_stats[static_cast<size_t>(el)] += ex.counts[static_cast<size_t>(el)];
+        const std::vector<int32_t> got = vector_of<int32_t>(stats);
+        EXPECT_EQ(std::vector<int64_t>(got.begin(), got.end()), want_stats) << "cumulative_local_expert_recv_stats after " << index << " calls";
+      }
+  }
+}
+
+// Worlds at the edges: every token of every rank on expert 0 twice and on the last expert
+// (two experts filled to capacity, max * R rows), every entry -1, no tokens anywhere; x given
+// as a view with padded rows.
+TEST(EpLowLatency, EdgeWorlds) {
+  SKIP_ACROSS_NODES();
+  const int R = num_ranks(), me = my_rank();
+  struct Edge {
+    const char* name;
+    Router router;
+    std::function<int64_t(int)> tokens;
+  };
+  const int k = 4;
+  const int64_t max = 8;
+  const Edge edges[] = {
+      {"two experts at capacity",
+       [R](int, int64_t, int64_t* row, float*) {
+         row[0] = 0;
+         row[1] = 0;
+         row[2] = -1;
+         row[3] = 2 * R - 1;
+       },
+       [max](int) { return max; }},
+      {"every entry -1", [k](int, int64_t, int64_t* row, float*) { std::fill_n(row, k, int64_t{-1}); }, [max](int i) { return 1 + i % max; }},
+      {"no tokens anywhere", Router(), [](int) { return int64_t{0}; }},
+      {"one rank sends everything", Router(), [max](int i) { return i == 0 ? max : int64_t{0}; }},
+  };
+  int index = 0, edge_index = 0;
+  for (const Edge& edge : edges) {
+    const int this_edge = edge_index++;
+    LLSpec s;
+    s.hidden = 256;
+    s.experts_per_rank = 2;
+    s.topk = k;
+    s.max_tokens = max;
+    s.tokens = tokens_per_rank(edge.tokens);
+    s.seed = 300 + static_cast<uint64_t>(this_edge);
+    s.data = this_edge % 2 ? Data::random : Data::rank_encoded;
+    s.router = edge.router;
+    const LLWorld w = make_ll_world(s);
+    BufferGuard buf = make_ll_buffer(w.hint());
+    for (Fmt f : {Fmt::bf16, Fmt::fp8_ue8m0}) {
+      SCOPED_TRACE(std::string(edge.name) + ", " + fmt_name(f));
+      const Completion c = kCompletions[index++ % 3];
+      if (!run_case(*buf, w, f, c, no_mask()).ok) return;
+    }
+    // x with padded rows (row stride H + 64).
+    SCOPED_TRACE(std::string(edge.name) + ", x with padded rows");
+    const Tensor& x = w.x[static_cast<size_t>(me)];
+    Tensor wide = Tensor::empty({w.T(me), w.H + 64}, DType::bf16);
+    Tensor view = wide.slice(1, 0, w.H);
+    if (w.T(me) > 0) view.copy_from(x);
+    for (Fmt f : {Fmt::bf16, Fmt::fp8}) {
+      LowLatencyDispatchResult r;
+      if (!collective_step("low_latency_dispatch (strided x)", [&] {
+            LowLatencyDispatchArgs a = dispatch_args(w, f, Completion::sync);
+            a.x = view;
+            r = run_dispatch(*buf, a, Completion::sync);
+          }))
+        return;
+      check_ll_dispatch(r, w, f, no_mask());
+      LowLatencyCombineResult comb;
+      if (!collective_step("low_latency_combine", [&] { comb = combine_private(*buf, w, r, f, Expert::scaled, Completion::sync); })) return;
+      expect_combined(comb.combined_x, expected_combined(w, f, Expert::scaled, no_mask()), w, "combined_x");
+    }
+  }
+}
+
+// The combine paths must agree bit for bit: x in private memory, in
+// get_next_low_latency_combine_buffer with zero_copy, in Buffer::alloc_shared memory, with a
+// caller-provided `out` (padded rows), each sync / async / hook.
+TEST(EpLowLatency, CombinePathsAreBitIdentical) {
+  SKIP_ACROSS_NODES();
+  const int R = num_ranks(), me = my_rank();
+  LLSpec s;
+  s.hidden = 512;
+  s.experts_per_rank = 3;
+  s.topk = std::min(5, 3 * R);
+  s.max_tokens = 10;
+  s.tokens = mixed_tokens(10);
+  s.seed = 400;
+  const LLWorld w = make_ll_world(s);
+  const int64_t y_bytes = static_cast<int64_t>(w.El) * w.slots() * w.H * 2;
+  BufferGuard buf = make_ll_buffer(w.hint(), {}, 2 * y_bytes + (1 << 16));
+  for (Fmt f : {Fmt::bf16, Fmt::fp8_ue8m0}) {
+    SCOPED_TRACE(fmt_name(f));
+    LowLatencyDispatchResult r;
+    if (!collective_step("low_latency_dispatch", [&] { r = run_dispatch(*buf, dispatch_args(w, f, Completion::sync), Completion::sync); }))
+      return;
+    check_ll_dispatch(r, w, f, no_mask());
+    const std::vector<uint16_t> want = expected_combined(w, f, Expert::scaled, no_mask());
+    const uint64_t before = dispatch_fingerprint(r);
+    int index = 0;
+    for (Completion c : kCompletions) {
+      const std::string mode = completion_name(c);
+      {
+        SCOPED_TRACE("private x, " + mode);
+        LowLatencyCombineResult comb;
+        if (!collective_step("combine (private x)", [&] { comb = combine_private(*buf, w, r, f, Expert::scaled, c); })) return;
+        expect_combined(comb.combined_x, want, w, "combined_x");
+      }
+      {
+        SCOPED_TRACE("zero_copy, " + mode);
+        LowLatencyCombineResult comb;
+        if (!collective_step("combine (zero_copy)", [&] { comb = combine_zero_copy(*buf, w, r, f, Expert::scaled, c); })) return;
+        expect_combined(comb.combined_x, want, w, "combined_x");
+      }
+      {
+        SCOPED_TRACE("x in Buffer::alloc_shared memory, " + mode);
+        LowLatencyCombineResult comb;
+        if (!collective_step("combine (alloc_shared x)", [&] {
+              Tensor y = buf->alloc_shared({w.El, w.slots(), w.H}, DType::bf16);
+              write_expert_outputs(y, r, w, f, Expert::scaled);
+              comb = run_combine(*buf, combine_args(w, r, y, c), c);
+            }))
+          return;
+        expect_combined(comb.combined_x, want, w, "combined_x");
+      }
+      {
+        SCOPED_TRACE("caller-provided out with padded rows, " + mode + (index % 2 ? ", zero_copy" : ", private x"));
+        const int64_t T = w.T(me);
+        Tensor wide = Tensor::empty({T, w.H + 32}, DType::bf16);
+        std::fill_n(wide.data_ptr<uint16_t>(), T * (w.H + 32), kBf16NaN);
+        const Tensor out = wide.slice(1, 0, w.H);
+        LowLatencyCombineResult comb;
+        if (!collective_step("combine (out)", [&] {
+              Tensor y = index % 2 ? buf->get_next_low_latency_combine_buffer(r.handle) : Tensor::empty({w.El, w.slots(), w.H}, DType::bf16);
+              write_expert_outputs(y, r, w, f, Expert::scaled);
+              LowLatencyCombineArgs a = combine_args(w, r, y, c);
+              a.zero_copy = index % 2 == 1;
+              a.out = out;
+              comb = run_combine(*buf, a, c);
+            }))
+          return;
+        ASSERT_TRUE(comb.combined_x.defined());
+        EXPECT_EQ(comb.combined_x.data(), out.data()) << "combined_x is not the caller's out";
+        expect_combined(out, want, w, "out");
+        int64_t touched = 0;
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t cc = w.H; cc < w.H + 32; ++cc) touched += wide.data_ptr<uint16_t>()[t * (w.H + 32) + cc] != kBf16NaN;
+        EXPECT_EQ(touched, 0) << "combine wrote outside `out` (into the padding of its rows)";
+      }
+      ++index;
+    }
+    EXPECT_EQ(dispatch_fingerprint(r), before) << "combines changed the dispatch result they combined";
+  }
+}
+
+// docs/EP.md: out[t] = sum_k w[t, k] * y in f32 with one FMA per term, k ascending, rounded
+// once to bf16. Tokens choose pairs of experts whose outputs cancel (y and -y, weights w and
+// w (1 + small)), so the bf16 result depends on every f32 rounding: a multiply then an add
+// instead of an FMA, another order of the terms or an extra rounding all show. Two hidden
+// sizes: 512 (vector kernels only) and 200 (a scalar tail of 8 columns).
+TEST(EpLowLatency, CombineRoundingIsExact) {
+  SKIP_ACROSS_NODES();
+  const int R = num_ranks();
+  for (int64_t H : {int64_t{512}, int64_t{200}}) {
+    LLSpec s;
+    s.hidden = H;
+    s.experts_per_rank = 4;
+    s.topk = 6;
+    s.max_tokens = 16;
+    s.tokens = tokens_per_rank([](int i) { return int64_t{10} + (3 * i) % 7; });
+    s.seed = 450 + static_cast<uint64_t>(H);
+    s.router = [R](int i, int64_t t, int64_t* row, float* weights) {
+      const int pairs = 2 * R;  // experts 2p and 2p + 1
+      Rng rng{hash4(450, static_cast<uint64_t>(i), static_cast<uint64_t>(t), 1)};
+      for (int j = 0; j < 6; j += 2) {
+        const auto p = static_cast<int64_t>(rng.below(static_cast<uint64_t>(pairs)));
+        const bool flip = rng.below(2) != 0;
+        row[j] = 2 * p + (flip ? 1 : 0);
+        row[j + 1] = 2 * p + (flip ? 0 : 1);
+        weights[j + 1] = weights[j] * (1.0f + std::ldexp(1.0f + static_cast<float>(rng.below(64)), -14));
+      }
+      if (t % 5 == 4) row[rng.below(6)] = -1;  // an unpaired term now and then
+    };
+    const LLWorld w = make_ll_world(s);
+    BufferGuard buf = make_ll_buffer(w.hint());
+    for (Fmt f : {Fmt::bf16, Fmt::fp8}) {
+      SCOPED_TRACE("H=" + std::to_string(H) + ", " + fmt_name(f));
+      LowLatencyDispatchResult r;
+      if (!collective_step("dispatch", [&] { r = run_dispatch(*buf, dispatch_args(w, f, Completion::sync), Completion::sync); })) return;
+      check_ll_dispatch(r, w, f, no_mask());
+      const std::vector<uint16_t> want = expected_combined(w, f, Expert::cancelling, no_mask());
+      LowLatencyCombineResult a, b;
+      if (!collective_step("combine (private x)", [&] { a = combine_private(*buf, w, r, f, Expert::cancelling, Completion::sync); })) return;
+      expect_combined(a.combined_x, want, w, "combined_x (private x)");
+      if (!collective_step("combine (zero_copy)", [&] { b = combine_zero_copy(*buf, w, r, f, Expert::cancelling, Completion::async); })) return;
+      expect_combined(b.combined_x, want, w, "combined_x (zero_copy)");
+    }
+  }
+}
+
+// Two results live (ep.md "at most two low-latency results are live at once"): dispatch A,
+// dispatch B; A must still be intact and B correct; combine B then A (the reverse order),
+// each combine's view must survive the other combine.
+TEST(EpLowLatency, TwoResultsLive) {
+  SKIP_ACROSS_NODES();
+  const int R = num_ranks();
+  LLSpec sa;
+  sa.hidden = 384;
+  sa.experts_per_rank = 3;
+  sa.topk = std::min(6, 3 * R);
+  sa.max_tokens = 12;
+  sa.tokens = mixed_tokens(12);
+  sa.seed = 500;
+  sa.data = Data::rank_encoded;
+  LLSpec sb = sa;
+  sb.seed = 501;
+  sb.data = Data::random;
+  sb.tokens = tokens_per_rank([](int i) { return int64_t{12} - (i % 3) * 5; });
+  const LLWorld wa = make_ll_world(sa), wb = make_ll_world(sb);
+  BufferGuard buf = make_ll_buffer(wa.hint());
+  const Fmt fa = Fmt::fp8_round, fb = Fmt::bf16;
+
+  LowLatencyDispatchResult a, b;
+  if (!collective_step("dispatch A", [&] { a = run_dispatch(*buf, dispatch_args(wa, fa, Completion::sync), Completion::sync); })) return;
+  {
+    SCOPED_TRACE("A right after its dispatch");
+    check_ll_dispatch(a, wa, fa, no_mask());
+  }
+  const uint64_t fa_before = dispatch_fingerprint(a);
+  if (!collective_step("dispatch B", [&] { b = run_dispatch(*buf, dispatch_args(wb, fb, Completion::async), Completion::async); })) return;
+  EXPECT_EQ(dispatch_fingerprint(a), fa_before) << "dispatch B changed A's result (two results may be live)";
+  {
+    SCOPED_TRACE("A after dispatch B");
+    check_ll_dispatch(a, wa, fa, no_mask());
+  }
+  {
+    SCOPED_TRACE("B");
+    check_ll_dispatch(b, wb, fb, no_mask());
+  }
+  const uint64_t fb_before = dispatch_fingerprint(b);
+  LowLatencyCombineResult cb, ca;
+  if (!collective_step("combine B", [&] { cb = combine_private(*buf, wb, b, fb, Expert::scaled, Completion::sync); })) return;
+  const std::vector<uint16_t> want_a = expected_combined(wa, fa, Expert::scaled, no_mask()), want_b = expected_combined(wb, fb, Expert::scaled, no_mask());
+  expect_combined(cb.combined_x, want_b, wb, "B combined_x");
+  EXPECT_EQ(dispatch_fingerprint(a), fa_before) << "combine B changed A's dispatch result";
+  if (!collective_step("combine A", [&] { ca = combine_zero_copy(*buf, wa, a, fa, Expert::scaled, Completion::hook); })) return;
+  expect_combined(ca.combined_x, want_a, wa, "A combined_x");
+  expect_combined(cb.combined_x, want_b, wb, "B combined_x after combine A (its view must stay valid)");
+  EXPECT_EQ(dispatch_fingerprint(a), fa_before) << "combines changed A's dispatch result";
+  EXPECT_EQ(dispatch_fingerprint(b), fb_before) << "combines changed B's dispatch result";
+  {
+    SCOPED_TRACE("B after both combines");
+    check_ll_dispatch(b, wb, fb, no_mask());
+  }
+  // Held views survive Buffer::destroy() (ep.h: received tensors stay valid while held).
+  const std::vector<uint16_t> cb_bits = bits_of(cb.combined_x);
+  EXPECT_NO_THROW(buf->destroy());
+  EXPECT_EQ(dispatch_fingerprint(b), fb_before) << "B's dispatch result changed across Buffer::destroy()";
+  EXPECT_EQ(bits_of(cb.combined_x), cb_bits) << "B's combined_x changed across Buffer::destroy()";
+}
+
+// DeepEP's two-micro-batch overlap: both dispatches issued with return_recv_hook before either
+// receive completes, hooks called afterwards (in order), then the same for the combines.
+TEST(EpLowLatency, TwoMicroBatchesWithHooks) {
+  SKIP_ACROSS_NODES();
+  const int R = num_ranks();
+  LLSpec sa;
+  sa.hidden = 256;
+  sa.experts_per_rank = 2;
+  sa.topk = std::min(4, 2 * R);
+  sa.max_tokens = 16;
+  sa.tokens = mixed_tokens(16);
+  sa.seed = 550;
+  LLSpec sb = sa;
+  sb.seed = 551;
+  sb.data = Data::rank_encoded;
+  sb.tokens = tokens_per_rank([](int i) { return int64_t{16} - i % 5; });
+  const LLWorld wa = make_ll_world(sa), wb = make_ll_world(sb);
+  BufferGuard buf = make_ll_buffer(wa.hint());
+  Tensor stats = Tensor::zeros({wa.El}, DType::i32);
+  for (int round = 0; round < 2; ++round) {
+    SCOPED_TRACE("round " + std::to_string(round));
+    const Fmt fa = round == 0 ? Fmt::fp8_ue8m0 : Fmt::bf16, fb = round == 0 ? Fmt::bf16 : Fmt::fp8;
+    LowLatencyDispatchResult a, b;
+    if (!collective_step("dispatch A, dispatch B, hook A, hook B", [&] {
+          a = buf->low_latency_dispatch(dispatch_args(wa, fa, Completion::hook, stats));
+          b = buf->low_latency_dispatch(dispatch_args(wb, fb, Completion::hook, stats));
+          ASSERT_TRUE(static_cast<bool>(a.hook));
+          ASSERT_TRUE(static_cast<bool>(b.hook));
+          a.hook();
+          b.hook();
+          a.hook();  // a second call is harmless
+        }))
+      return;
+    {
+      SCOPED_TRACE("A");
+      check_ll_dispatch(a, wa, fa, no_mask());
+    }
+    {
+      SCOPED_TRACE("B");
+      check_ll_dispatch(b, wb, fb, no_mask());
+    }
+    LowLatencyCombineResult ca, cb;
+    if (!collective_step("combine A, combine B, hook A, hook B", [&] {
+          Tensor ya = Tensor::empty({wa.El, wa.slots(), wa.H}, DType::bf16), yb = Tensor::empty({wb.El, wb.slots(), wb.H}, DType::bf16);
+          write_expert_outputs(ya, a, wa, fa, Expert::scaled);
+          write_expert_outputs(yb, b, wb, fb, Expert::scaled);
+          ca = buf->low_latency_combine(combine_args(wa, a, ya, Completion::hook));
+          cb = buf->low_latency_combine(combine_args(wb, b, yb, Completion::hook));
+          ASSERT_TRUE(static_cast<bool>(ca.hook));
+          ASSERT_TRUE(static_cast<bool>(cb.hook));
+          ca.hook();
+          cb.hook();
+        }))
+      return;
+    expect_combined(ca.combined_x, expected_combined(wa, fa, Expert::scaled, no_mask()), wa, "A combined_x");
+    expect_combined(cb.combined_x, expected_combined(wb, fb, Expert::scaled, no_mask()), wb, "B combined_x");
+  }
+  std::vector<int32_t> want(static_cast<size_t>(wa.El), 0);
+  for (const LLWorld* w : {&wa, &wb}) {
+    const LLExpected ex = expect_recv(*w, my_rank(), no_mask());
+    for (int el = 0; el < w->El; ++el) want[static_cast<size_t>(el)] += 2 * ex.counts[static_cast<size_t>(el)];
+  }
+  EXPECT_EQ(vector_of<int32_t>(stats), want) << "cumulative_local_expert_recv_stats after four hooked dispatches";
+}
+
+// Two live results of different hidden sizes on one buffer sized for both (docs/EP.md: a
+// result stays valid until the second low-latency dispatch after it; nothing there restricts
+// the shapes of the calls in between). A: H = 128, B: H = 7168, every rank at the token limit.
+TEST(EpLowLatency, TwoResultsLiveOfDifferentHiddenSizes) {
+  SKIP_ACROSS_NODES();
+  const int R = num_ranks();
+  if (R < 2) GTEST_SKIP() << "needs two ranks";
+  LLSpec sa;
+  sa.hidden = 128;
+  sa.experts_per_rank = 1;
+  sa.topk = 2;
+  sa.max_tokens = 8;
+  sa.tokens = tokens_per_rank([](int) { return int64_t{8}; });
+  sa.seed = 600;
+  sa.data = Data::rank_encoded;
+  LLSpec sb = sa;
+  sb.hidden = 7168;
+  sb.seed = 601;
+  sb.data = Data::random;
+  const LLWorld wa = make_ll_world(sa), wb = make_ll_world(sb);
+  BufferGuard buf = make_ll_buffer(std::max(wa.hint(), wb.hint()));
+  LowLatencyDispatchResult a, b;
+  if (!collective_step("dispatch A (H=128)", [&] { a = run_dispatch(*buf, dispatch_args(wa, Fmt::bf16, Completion::sync), Completion::sync); }))
+    return;
+  check_ll_dispatch(a, wa, Fmt::bf16, no_mask());
+  const uint64_t before = dispatch_fingerprint(a);
+  if (!collective_step("dispatch B (H=7168)", [&] { b = run_dispatch(*buf, dispatch_args(wb, Fmt::bf16, Completion::sync), Completion::sync); }))
+    return;
+  {
+    SCOPED_TRACE("B");
+    check_ll_dispatch(b, wb, Fmt::bf16, no_mask());
+  }
+  const bool intact = dispatch_fingerprint(a) == before;
+  EXPECT_TRUE(intact) << "dispatch B (another hidden size) changed A's live result";
+  if (!intact) {
+    SCOPED_TRACE("A after dispatch B");
+    check_ll_dispatch(a, wa, Fmt::bf16, no_mask());
+  }
+  LowLatencyCombineResult ca, cb;
+  // Combining a corrupted A would make combine follow garbage layout_range entries (it may
+  // crash the whole binary), so every rank skips it when A changed anywhere.
+  if (all_ranks(intact)) {
+    if (!collective_step("combine A", [&] { ca = combine_private(*buf, wa, a, Fmt::bf16, Expert::scaled, Completion::sync); })) return;
+    expect_combined(ca.combined_x, expected_combined(wa, Fmt::bf16, Expert::scaled, no_mask()), wa, "A combined_x");
+  }
+  if (!collective_step("combine B", [&] { cb = combine_private(*buf, wb, b, Fmt::bf16, Expert::scaled, Completion::sync); })) return;
+  expect_combined(cb.combined_x, expected_combined(wb, Fmt::bf16, Expert::scaled, no_mask()), wb, "B combined_x");
+}
+
+// H = 7168 (DeepSeek's hidden size) on a buffer of exactly the size hint.
+TEST(EpLowLatency, Hidden7168OnExactSizeHint) {
+  SKIP_ACROSS_NODES();
+  const int R = num_ranks();
+  LLSpec s;
+  s.hidden = 7168;
+  s.experts_per_rank = 2;
+  s.topk = std::min(4, 2 * R);
+  s.max_tokens = 6;
+  s.tokens = mixed_tokens(6);
+  s.seed = 700;
+  const LLWorld w = make_ll_world(s);
+  BufferGuard buf = make_ll_buffer(w.hint());
+  {
+    SCOPED_TRACE("fp8+round_scale+use_ue8m0, sync");
+    if (!run_case(*buf, w, Fmt::fp8_ue8m0, Completion::sync, no_mask()).ok) return;
+  }
+  {
+    SCOPED_TRACE("bf16, hook");
+    if (!run_case(*buf, w, Fmt::bf16, Completion::hook, no_mask()).ok) return;
+  }
+  SCOPED_TRACE("fp8, async, zero_copy combine");
+  LowLatencyDispatchResult r;
+  if (!collective_step("dispatch", [&] { r = run_dispatch(*buf, dispatch_args(w, Fmt::fp8, Completion::async), Completion::async); })) return;
+  check_ll_dispatch(r, w, Fmt::fp8, no_mask());
+  LowLatencyCombineResult comb;
+  if (!collective_step("combine", [&] { comb = combine_zero_copy(*buf, w, r, Fmt::fp8, Expert::scaled, Completion::async); })) return;
+  expect_combined(comb.combined_x, expected_combined(w, Fmt::fp8, Expert::scaled, no_mask()), w, "combined_x");
+}
+
+// ep.md "a pressure mode reruns 20 times and compares hashes (determinism)".
+TEST(EpLowLatency, DeterministicOver20Runs) {
+  SKIP_ACROSS_NODES();
+  const int R = num_ranks();
+  LLSpec s;
+  s.hidden = 512;
+  s.experts_per_rank = 3;
+  s.topk = std::min(6, 3 * R);
+  s.max_tokens = 16;
+  s.tokens = tokens_per_rank([](int i) { return int64_t{9} + (7 * i) % 8; });
+  s.seed = 800;
+  const LLWorld w = make_ll_world(s);
+  BufferGuard buf = make_ll_buffer(w.hint());
+  for (Fmt f : {Fmt::fp8_round, Fmt::bf16}) {
+    SCOPED_TRACE(fmt_name(f));
+    std::vector<uint64_t> hashes;
+    for (int run = 0; run < 20; ++run) {
+      const Completion cd = kCompletions[run % 3], cc = kCompletions[(run + 1) % 3];
+      LowLatencyDispatchResult r;
+      LowLatencyCombineResult comb;
+      if (!collective_step("dispatch + combine, run " + std::to_string(run), [&] {
+            r = run_dispatch(*buf, dispatch_args(w, f, cd), cd);
+            comb = run % 2 ? combine_zero_copy(*buf, w, r, f, Expert::scaled, cc) : combine_private(*buf, w, r, f, Expert::scaled, cc);
+          }))
+        return;
+      uint64_t h = dispatch_fingerprint(r);
+      const std::vector<uint16_t> bits = bits_of(comb.combined_x);
+      h = fnv1a(h, bits.data(), bits.size() * 2);
+      hashes.push_back(h);
+    }
+    int64_t differing = 0;
+    for (uint64_t h : hashes) differing += h != hashes.front();
+    EXPECT_EQ(differing, 0) << "runs whose output hash differs from the first run's";
+  }
+}
+
+// ------------------------------------------------------------------ tests: bad input
+
+// Bad arguments on every rank: every rank raises before communicating (no hang), and the
+// buffer still works afterwards.
+TEST(EpLowLatency, BadArgumentsRaiseOnEveryRank) {
+  SKIP_ACROSS_NODES();
+  const int R = num_ranks(), me = my_rank();
+  LLSpec s;
+  s.hidden = 256;
+  s.experts_per_rank = 2;
+  s.topk = std::min(4, 2 * R);
+  s.max_tokens = 8;
+  s.tokens = tokens_per_rank([](int i) { return int64_t{3} + i % 6; });  // every rank has tokens
+  s.seed = 900;
+  const LLWorld w = make_ll_world(s);
+  const int64_t T = w.T(me), H = w.H;
+  BufferOptions o;
+  o.timeout_s = 10;  // a check that does not fire makes the others wait this long, not forever
+
+  {
+    SCOPED_TRACE("num_rdma_bytes = hint - 1");
+    const int64_t hint = w.hint();
+    BufferGuard small = make_ll_buffer(hint - 1, o);
+    try {
+      (void)small->low_latency_dispatch(dispatch_args(w, Fmt::fp8, Completion::sync));
+      ADD_FAILURE() << "no Error with num_rdma_bytes one below the hint";
+    } catch (const TimeoutError& e) {
+      ADD_FAILURE() << "a TimeoutError, not an argument check: " << e.what();
+    } catch (const moekit::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(std::to_string(hint)), std::string::npos) << "the error should quote the hint " << hint << ": " << e.what();
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "wrong exception type: " << e.what();
+    }
+  }
+  {
+    SCOPED_TRACE("num_rdma_bytes = 0");
+    BufferGuard none = make_ll_buffer(0, o);
+    EXPECT_EP_ERROR(none->low_latency_dispatch(dispatch_args(w, Fmt::bf16, Completion::sync)));
+    none->destroy();
+    SCOPED_TRACE("a destroyed buffer");
+    EXPECT_EP_ERROR(none->low_latency_dispatch(dispatch_args(w, Fmt::bf16, Completion::sync)));
+  }
+
+  BufferGuard buf = make_ll_buffer(w.hint(), o);
+  auto good = [&](Fmt f = Fmt::fp8) { return dispatch_args(w, f, Completion::sync); };
+  {
+    SCOPED_TRACE("T > num_max_dispatch_tokens_per_rank");
+    LowLatencyDispatchArgs a = good();
+    Tensor x = Tensor::zeros({w.max + 1, H}, DType::bf16);
+    std::vector<int64_t> idx(static_cast<size_t>((w.max + 1) * w.k), 0);
+    a.x = x;
+    a.topk_idx = tensor_of(idx, {w.max + 1, w.k}, DType::i64);
+    EXPECT_EP_ERROR(buf->low_latency_dispatch(a));
+  }
+  {
+    SCOPED_TRACE("use_ue8m0 without round_scale");
+    LowLatencyDispatchArgs a = good();
+    a.use_ue8m0 = true;
+    a.round_scale = false;
+    EXPECT_EP_ERROR(buf->low_latency_dispatch(a));
+  }
+  {
+    SCOPED_TRACE("use_ue8m0 without use_fp8");
+    LowLatencyDispatchArgs a = good(Fmt::bf16);
+    a.use_ue8m0 = true;
+    a.round_scale = true;
+    EXPECT_EP_ERROR(buf->low_latency_dispatch(a));
+  }
+  for (int64_t bad : {int64_t{w.E}, int64_t{-2}, int64_t{1} << 40}) {
+    SCOPED_TRACE("expert id " + std::to_string(bad) + " in topk_idx");
+    LowLatencyDispatchArgs a = good();
+    std::vector<int64_t> idx = w.topk[static_cast<size_t>(me)];
+    idx[idx.size() / 2] = bad;
+    a.topk_idx = tensor_of(idx, {T, w.k}, DType::i64);
+    EXPECT_EP_ERROR(buf->low_latency_dispatch(a));
+  }
+  {
+    SCOPED_TRACE("async_finish together with return_recv_hook");
+    LowLatencyDispatchArgs a = good();
+    a.async_finish = true;
+    a.return_recv_hook = true;
+    EXPECT_EP_ERROR(buf->low_latency_dispatch(a));
+  }
+  {
+    SCOPED_TRACE("num_experts not a multiple of the rank count");
+    LowLatencyDispatchArgs a = good();
+    a.num_experts = w.E + 1;
+    if (R > 1) EXPECT_EP_ERROR(buf->low_latency_dispatch(a));
+  }
+  {
+    SCOPED_TRACE("topk_idx rows != x rows");
+    LowLatencyDispatchArgs a = good();
+    std::vector<int64_t> idx = w.topk[static_cast<size_t>(me)];
+    idx.resize(static_cast<size_t>((T + 1) * w.k), -1);
+    a.topk_idx = tensor_of(idx, {T + 1, w.k}, DType::i64);
+    EXPECT_EP_ERROR(buf->low_latency_dispatch(a));
+  }
+  {
+    SCOPED_TRACE("x dtype f32");
+    LowLatencyDispatchArgs a = good();
+    a.x = Tensor::zeros({T, H}, DType::f32);
+    EXPECT_EP_ERROR(buf->low_latency_dispatch(a));
+  }
+  {
+    SCOPED_TRACE("cumulative_local_expert_recv_stats of the wrong size");
+    LowLatencyDispatchArgs a = good();
+    a.cumulative_local_expert_recv_stats = Tensor::zeros({w.El + 1}, DType::i32);
+    EXPECT_EP_ERROR(buf->low_latency_dispatch(a));
+  }
+
+  // A good dispatch, then bad combines.
+  LowLatencyDispatchResult r;
+  if (!collective_step("dispatch after bad input", [&] { r = run_dispatch(*buf, good(), Completion::sync); })) return;
+  check_ll_dispatch(r, w, Fmt::fp8, no_mask());
+  Tensor y = Tensor::empty({w.El, w.slots(), w.H}, DType::bf16);
+  write_expert_outputs(y, r, w, Fmt::fp8, Expert::scaled);
+  {
+    SCOPED_TRACE("combine: x of the wrong shape");
+    LowLatencyCombineArgs a = combine_args(w, r, Tensor::zeros({w.El, w.slots() + 1, H}, DType::bf16), Completion::sync);
+    EXPECT_EP_ERROR(buf->low_latency_combine(a));
+  }
+  {
+    SCOPED_TRACE("combine: topk_weights of the wrong shape");
+    LowLatencyCombineArgs a = combine_args(w, r, y, Completion::sync);
+    a.topk_weights = Tensor::zeros({T + 1, w.k}, DType::f32);
+    EXPECT_EP_ERROR(buf->low_latency_combine(a));
+  }
+  {
+    SCOPED_TRACE("combine: async_finish together with return_recv_hook");
+    LowLatencyCombineArgs a = combine_args(w, r, y, Completion::sync);
+    a.async_finish = true;
+    a.return_recv_hook = true;
+    EXPECT_EP_ERROR(buf->low_latency_combine(a));
+  }
+  {
+    SCOPED_TRACE("combine: zero_copy with x in private memory");
+    LowLatencyCombineArgs a = combine_args(w, r, y, Completion::sync);
+    a.zero_copy = true;
+    EXPECT_EP_ERROR(buf->low_latency_combine(a));
+  }
+  {
+    SCOPED_TRACE("combine: empty handle");
+    LowLatencyCombineArgs a = combine_args(w, r, y, Completion::sync);
+    a.handle = LowLatencyHandle{};
+    EXPECT_EP_ERROR(buf->low_latency_combine(a));
+    EXPECT_EP_ERROR(buf->get_next_low_latency_combine_buffer(LowLatencyHandle{}));
+  }
+  {
+    SCOPED_TRACE("combine: a handle from another buffer");
+    BufferGuard other = make_ll_buffer(w.hint(), o);
+    EXPECT_EP_ERROR(other->low_latency_combine(combine_args(w, r, y, Completion::sync)));
+    EXPECT_EP_ERROR(other->get_next_low_latency_combine_buffer(r.handle));
+  }
+  // The buffer still works, for more rounds than its two halves.
+  for (int round = 0; round < 3; ++round) {
+    SCOPED_TRACE("good round " + std::to_string(round) + " after bad input");
+    if (!run_case(*buf, w, round == 1 ? Fmt::bf16 : Fmt::fp8_ue8m0, kCompletions[round], no_mask()).ok) return;
+  }
+}
+
+// Bad input on one rank only (docs/EP.md "Faults"): that rank raises at once, its peers raise
+// an Error naming it instead of waiting for the timeout, and the buffer stays usable. Then a
+// format, token limit or hidden size that differs across ranks (what must agree): every rank
+// raises.
+TEST(EpLowLatency, BadInputOnOneRankRaisesOnEveryRank) {
+  SKIP_ACROSS_NODES();
+  const int R = num_ranks(), me = my_rank();
+  if (R < 2) GTEST_SKIP() << "needs two ranks";
+  LLSpec s;
+  s.hidden = 256;
+  s.experts_per_rank = 2;
+  s.topk = 4;
+  s.max_tokens = 8;
+  s.tokens = tokens_per_rank([](int i) { return int64_t{2} + i % 7; });
+  s.seed = 950;
+  const LLWorld w = make_ll_world(s);
+  BufferOptions o;
+  o.timeout_s = 10;
+  BufferGuard buf = make_ll_buffer(w.hint(), o);
+  // Runs f on every rank: `bad` is the rank with bad input. Every rank must raise a
+  // moekit::Error that is not a TimeoutError; the others' must name `bad` (bad < 0: every
+  // rank is at fault).
+  auto expect_all_raise = [&](const char* what, int bad, const std::function<void()>& f) {
+    SCOPED_TRACE(what);
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      f();
+      ADD_FAILURE() << "no Error on rank " << me;
+    } catch (const TimeoutError& e) {
+      ADD_FAILURE() << "a TimeoutError instead of an Error naming the rank at fault: " << e.what();
+    } catch (const moekit::Error& e) {
+      if (bad >= 0 && me != bad) {
+        EXPECT_NE(std::string(e.what()).find("rank " + std::to_string(bad)), std::string::npos)
+            << "the error should name rank " << bad << ": " << e.what();
+      }
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "wrong exception type: " << e.what();
+    }
+    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_LT(waited, 5.0) << "raised only after about the buffer's 10 s timeout";
+    polite_barrier();
+  };
+  const int bad_rank = R - 1;
+  expect_all_raise("dispatch: an expert id out of range on one rank", bad_rank, [&] {
+    LowLatencyDispatchArgs a = dispatch_args(w, Fmt::fp8, Completion::sync);
+    if (me == bad_rank) {
+      std::vector<int64_t> idx = w.topk[static_cast<size_t>(me)];
+      idx[0] = w.E;
+      a.topk_idx = tensor_of(idx, {w.T(me), w.k}, DType::i64);
+    }
+    (void)run_dispatch(*buf, a, Completion::sync);
+  });
+  LowLatencyDispatchResult r;
+  if (!collective_step("good dispatch", [&] { r = run_dispatch(*buf, dispatch_args(w, Fmt::fp8, Completion::sync), Completion::sync); }))
+    return;
+  check_ll_dispatch(r, w, Fmt::fp8, no_mask());
+  expect_all_raise("combine: topk_weights of the wrong shape on one rank", 0, [&] {
+    Tensor y = Tensor::empty({w.El, w.slots(), w.H}, DType::bf16);
+    write_expert_outputs(y, r, w, Fmt::fp8, Expert::scaled);
+    LowLatencyCombineArgs a = combine_args(w, r, y, Completion::sync);
+    if (me == 0) a.topk_weights = Tensor::zeros({w.T(me), w.k + 1}, DType::f32);
+    (void)run_combine(*buf, a, Completion::sync);
+  });
+  expect_all_raise("dispatch: use_fp8 on rank 0 only", -1, [&] {
+    (void)run_dispatch(*buf, dispatch_args(w, me == 0 ? Fmt::fp8 : Fmt::bf16, Completion::sync), Completion::sync);
+  });
+  expect_all_raise("dispatch: num_max_dispatch_tokens_per_rank one less on rank 0", -1, [&] {
+    LowLatencyDispatchArgs a = dispatch_args(w, Fmt::bf16, Completion::sync);
+    if (me == 0) a.num_max_dispatch_tokens_per_rank = w.max - 1;  // rank 0 has 2 tokens
+    (void)run_dispatch(*buf, a, Completion::sync);
+  });
+  expect_all_raise("dispatch: another hidden size on rank 0", -1, [&] {
+    LowLatencyDispatchArgs a = dispatch_args(w, Fmt::bf16, Completion::sync);
+    if (me == 0) a.x = w.x[0].slice(1, 0, w.H - 128);
+    (void)run_dispatch(*buf, a, Completion::sync);
+  });
+  for (int round = 0; round < 3; ++round) {
+    SCOPED_TRACE("good round " + std::to_string(round) + " after bad input on one rank");
+    if (!run_case(*buf, w, round == 1 ? Fmt::bf16 : Fmt::fp8_round, kCompletions[round], no_mask()).ok) return;
+  }
+}
+
+// Across nodes (MOEKIT_EP_RANKS_PER_NODE < rank count): until the internode low-latency path
+// lands, every rank raises a moekit::Error naming the nodes, at once (docs/EP.md).
+TEST(EpLowLatency, AcrossNodesRaises) {
+  if (ll_num_nodes() == 1) GTEST_SKIP() << "one node: the other low-latency tests cover it";
+  const int R = num_ranks();
+  LLSpec s;
+  s.hidden = 256;
+  s.experts_per_rank = 2;
+  s.topk = 4;
+  s.max_tokens = 8;
+  s.tokens = mixed_tokens(8);
+  s.seed = 990;
+  const LLWorld w = make_ll_world(s);
+  BufferOptions o;
+  o.timeout_s = 10;
+  BufferGuard buf = make_ll_buffer(w.hint(), o);
+  EXPECT_EQ(buf->get_num_ranks() / buf->get_num_local_ranks(), ll_num_nodes());
+  for (Completion c : kCompletions) {
+    SCOPED_TRACE(completion_name(c));
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      LowLatencyDispatchResult r = run_dispatch(*buf, dispatch_args(w, Fmt::fp8, c), c);
+      ADD_FAILURE() << "low_latency_dispatch across " << ll_num_nodes() << " nodes returned";
+    } catch (const TimeoutError& e) {
+      ADD_FAILURE() << "a TimeoutError, not the documented Error: " << e.what();
+    } catch (const moekit::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("node"), std::string::npos) << "the error should name the nodes: " << e.what();
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "wrong exception type: " << e.what();
+    }
+    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_LT(waited, 5.0) << "raised only after about the buffer's 10 s timeout";
+    polite_barrier();
+  }
+  // Masks are this rank's view and work anyway.
+  buf->low_latency_update_mask_buffer((my_rank() + 1) % R);
+  buf->low_latency_clean_mask_buffer();
+  EXPECT_EQ(vector_of<int32_t>(buf->low_latency_query_mask_buffer()), std::vector<int32_t>(static_cast<size_t>(R), 0));
+}
+
+// ------------------------------------------------------------------ tests: masking (last)
+
+// Rank m never takes part: the others' first dispatch times out naming m; they mask m and go
+// on without it (nothing received from m, experts on m contribute nothing to combine); masks
+// can be queried, lifted and cleaned. Afterwards every rank (m too) works on a fresh buffer.
+TEST(EpLowLatency, MaskedRankIsSkipped) {
+  SKIP_ACROSS_NODES();
+  const int R = num_ranks(), me = my_rank();
+  if (R < 2) GTEST_SKIP() << "needs two ranks";
+  const int m = R - 1;
+  LLSpec s;
+  s.hidden = 256;
+  s.experts_per_rank = 2;
+  s.topk = std::min(4, 2 * R);
+  s.max_tokens = 10;
+  s.tokens = tokens_per_rank([](int i) { return int64_t{4} + (3 * i) % 7; });
+  s.seed = 1000;
+  s.data = Data::rank_encoded;
+  const LLWorld w = make_ll_world(s);
+  std::vector<int> masked = no_mask();
+  masked[static_cast<size_t>(m)] = 1;
+  MPI_Comm others = MPI_COMM_NULL;
+  MPI_Comm_split(MPI_COMM_WORLD, me == m ? 1 : 0, me, &others);
+  {
+    BufferOptions o;
+    o.timeout_s = 4;  // short, but long enough for the masked rounds on a loaded machine
+    BufferGuard buf = make_ll_buffer(w.hint(), o);
+    if (me != m) {
+      // 1. m is silent: TimeoutError naming m, after about the buffer's timeout.
+      const auto start = std::chrono::steady_clock::now();
+      try {
+        (void)buf->low_latency_dispatch(dispatch_args(w, Fmt::fp8, Completion::sync));
+        ADD_FAILURE() << "low_latency_dispatch returned although rank " << m << " never called it";
+      } catch (const TimeoutError& e) {
+        const std::vector<int>& silent = e.silent_ranks();
+        EXPECT_NE(std::find(silent.begin(), silent.end(), m), silent.end()) << "silent_ranks() lacks rank " << m << ": " << e.what();
+        EXPECT_EQ(std::find(silent.begin(), silent.end(), me), silent.end()) << "silent_ranks() names the caller: " << e.what();
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << "expected moekit::ep::TimeoutError, got: " << e.what();
+      }
+      const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      EXPECT_GE(waited, 3.5) << "gave up before the 4 s timeout";
+      EXPECT_LT(waited, 30.0) << "took far longer than the 4 s timeout";
+
+      // 2. Mask m (this rank's view) and go on without it, for more rounds than two halves.
+      buf->low_latency_update_mask_buffer(m);
+      EXPECT_EQ(vector_of<int32_t>(buf->low_latency_query_mask_buffer()), std::vector<int32_t>(masked.begin(), masked.end()));
+      const Fmt fmts[] = {Fmt::bf16, Fmt::fp8_ue8m0, Fmt::fp8, Fmt::bf16};
+      for (int round = 0; round < 4; ++round) {
+        SCOPED_TRACE(std::string("rank ") + std::to_string(m) + " masked, round " + std::to_string(round) + ", " + fmt_name(fmts[round]) +
+                     ", " + completion_name(kCompletions[round % 3]));
+        if (!run_case(*buf, w, fmts[round], kCompletions[round % 3], masked, Tensor(), others).ok) break;
+      }
+
+      // 3. Lift and clean.
+      buf->low_latency_update_mask_buffer(m, false);
+      EXPECT_EQ(vector_of<int32_t>(buf->low_latency_query_mask_buffer()), std::vector<int32_t>(static_cast<size_t>(R), 0));
+      buf->low_latency_update_mask_buffer(m);
+      buf->low_latency_clean_mask_buffer();
+      EXPECT_EQ(vector_of<int32_t>(buf->low_latency_query_mask_buffer()), std::vector<int32_t>(static_cast<size_t>(R), 0));
+    } else {
+      // m masks nobody and cannot mask itself.
+      EXPECT_EP_ERROR(buf->low_latency_update_mask_buffer(m));
+      EXPECT_EQ(vector_of<int32_t>(buf->low_latency_query_mask_buffer()), std::vector<int32_t>(static_cast<size_t>(R), 0));
+    }
+    polite_barrier();  // then destroy, collectively
+  }
+  MPI_Comm_free(&others);
+  // Everyone agrees again on a fresh buffer.
+  const LLWorld w2 = make_ll_world([&] {
+    LLSpec s2 = s;
+    s2.seed = 1001;
+    s2.tokens = mixed_tokens(10);
+    return s2;
+  }());
+  BufferGuard fresh = make_ll_buffer(w2.hint());
+  SCOPED_TRACE("fresh buffer after masking");
+  for (Fmt f : {Fmt::fp8, Fmt::bf16})
+    if (!run_case(*fresh, w2, f, Completion::sync, no_mask()).ok) return;
+}
+
+}  // namespace
+}  // namespace moekit::ep

@@ -256,6 +256,9 @@ struct Buffer::Impl {
   std::vector<int> unlink_after_op;  // own segments created during the current op
   int64_t num_rdma_bytes = 0;
   uint64_t ll_dispatches = 0, ll_combines = 0;
+  // The two low-latency halves sit at fixed offsets (0 and this), whatever each call's shapes,
+  // so a call with a larger hidden size never spills into the other half's live result.
+  size_t ll_half_stride() const { return static_cast<size_t>(num_rdma_bytes / 2) / 4096 * 4096; }
   std::vector<int> masked;  // by rank, this rank's view
 
   // Like wait_all, but masked ranks count as answered.

@@ -203,7 +203,7 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch_checked(const LowLatencyDi
   const uint64_t call = ++m.ll_dispatches;
   const int half = static_cast<int>(call & 1);
   if (call > 2) m.wait_unmasked(fn, [&](int s) { return m.ll_gathered(me, s).load(std::memory_order_acquire) >= call - 2; });
-  char* own = m.peers[static_cast<size_t>(me)].low_latency->data() + static_cast<size_t>(half) * L.half_bytes;
+  char* own = m.peers[static_cast<size_t>(me)].low_latency->data() + static_cast<size_t>(half) * m.ll_half_stride();
   const int fp8_mode = !a.use_fp8 ? 0 : a.use_ue8m0 ? 2 : 1;
   if (fp8_mode) {
     per_token_cast_to_fp8_into(a.x, Tensor::from_blob(own + L.send_x, {T, H}, DType::e4m3),
@@ -286,7 +286,7 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch_checked(const LowLatencyDi
       const int64_t first_expert = me * local_E;
       std::vector<std::vector<int32_t>> chosen(static_cast<size_t>(local_E));
       if (!m.masked[static_cast<size_t>(s)]) {
-        const char* theirs = m.peers[static_cast<size_t>(s)].low_latency->data() + static_cast<size_t>(half) * L.half_bytes;
+        const char* theirs = m.peers[static_cast<size_t>(s)].low_latency->data() + static_cast<size_t>(half) * m.ll_half_stride();
         const uint64_t* sm = m.ll_meta(s, half);
         const auto T = static_cast<int64_t>(sm[kLLTokens]), k = static_cast<int64_t>(sm[kLLTopk]);
         const auto* topk = reinterpret_cast<const int32_t*>(theirs + L.send_topk);
@@ -351,7 +351,7 @@ Tensor Buffer::get_next_low_latency_combine_buffer(const LowLatencyHandle& handl
   if (st.buffer_id != m.id) fail(fn, "handle", "a handle from this buffer", "a handle from another buffer");
   const int half = static_cast<int>((m.ll_combines + 1) & 1);
   auto seg = m.peers[static_cast<size_t>(m.rank)].low_latency;
-  char* base = seg->data() + static_cast<size_t>(half) * st.layout.half_bytes + st.layout.combine_x;
+  char* base = seg->data() + static_cast<size_t>(half) * m.ll_half_stride() + st.layout.combine_x;
   return Tensor::from_blob_with_owner(base, {st.layout.local_experts, st.layout.slots, st.layout.hidden}, DType::bf16, seg);
 }
 
@@ -402,7 +402,7 @@ LowLatencyCombineResult Buffer::low_latency_combine_checked(const LowLatencyComb
   const int half = static_cast<int>(call & 1);
   if (call > 2) m.wait_unmasked(fn, [&](int s) { return m.ll_read(me, s).load(std::memory_order_acquire) >= call - 2; });
   auto seg = m.peers[static_cast<size_t>(me)].low_latency;
-  char* own = seg->data() + static_cast<size_t>(half) * L.half_bytes;
+  char* own = seg->data() + static_cast<size_t>(half) * m.ll_half_stride();
 
   // Offer x: in place when it already is in shared memory, else its valid rows copied here.
   uint64_t* meta = m.ll_meta(me, half);
@@ -449,49 +449,55 @@ LowLatencyCombineResult Buffer::low_latency_combine_checked(const LowLatencyComb
     try {
       m.wait_unmasked(fn, [&](int d) { return m.ll_offered(d).load(std::memory_order_acquire) >= call; });
       ll_check_peer_errors(m, fn, half);
+      // Where each expert rank's rows are, and where this rank's rows begin in each expert.
+      std::vector<const char*> base(static_cast<size_t>(R), nullptr);
+      std::vector<size_t> stride_e(static_cast<size_t>(R)), stride_r(static_cast<size_t>(R));
+      for (int d = 0; d < R; ++d) {
+        if (m.masked[static_cast<size_t>(d)]) continue;
+        const uint64_t* dm = m.ll_meta(d, half);
+        if (dm[kLLHidden] != static_cast<uint64_t>(H))
+          fail(fn, "x", "the same hidden size on every rank", std::to_string(dm[kLLHidden]) + " on rank " + std::to_string(d));
+        const auto& peer = m.peers[static_cast<size_t>(d)];
+        base[static_cast<size_t>(d)] = dm[kLLXWhere] == 1 ? peer.low_latency->data() + dm[kLLXOff]
+                                                            : peer.segments[static_cast<size_t>(dm[kLLXSeg])]->data() + dm[kLLXOff];
+        stride_e[static_cast<size_t>(d)] = dm[kLLXStrideE];
+        stride_r[static_cast<size_t>(d)] = dm[kLLXStrideR];
+      }
+      std::vector<int32_t> seen(static_cast<size_t>(local_E * R), 0);  // this rank's rows per expert so far
+      std::vector<const uint16_t*> rows(static_cast<size_t>(k));
+      std::vector<float> w(static_cast<size_t>(k));
+      for (int64_t t = 0; t < T; ++t) {
+        int n = 0;
+        for (int64_t j = 0; j < k; ++j) {
+          const int64_t e = topk_idx.data_ptr<int64_t>()[t * topk_idx.stride(0) + j];
+          if (e < 0) continue;
+          bool repeat = false;  // a token that lists an expert twice was sent (and counts) once
+          for (int64_t q = 0; q < j; ++q) repeat |= topk_idx.data_ptr<int64_t>()[t * topk_idx.stride(0) + q] == e;
+          const int d = static_cast<int>(e / local_E);
+          const int64_t el = e % local_E;
+          int32_t& i = seen[static_cast<size_t>(e)];
+          if (repeat) continue;
+          const int32_t index = i++;
+          if (m.masked[static_cast<size_t>(d)]) continue;
+          // begin of this rank's rows inside expert el on rank d: from d's layout_range.
+          const char* drange = m.peers[static_cast<size_t>(d)].low_latency->data() + static_cast<size_t>(state->half) * m.ll_half_stride() + L.layout_range;
+          const int64_t range = reinterpret_cast<const int64_t*>(drange)[el * R + me];
+          const int64_t begin = range >> 32;
+          // A result this old may have been overwritten (more than two live): refuse, never read out of bounds.
+          if (index >= (range & 0xffffffff) || begin + index >= L.slots)
+            fail(fn, "handle", "a low-latency result at most two dispatches old",
+                 "rank " + std::to_string(d) + "'s layout for expert " + std::to_string(e) + " no longer matches");
+          rows[static_cast<size_t>(n)] = reinterpret_cast<const uint16_t*>(base[static_cast<size_t>(d)] + static_cast<size_t>(el) * stride_e[static_cast<size_t>(d)] +
+                                                                           static_cast<size_t>(begin + index) * stride_r[static_cast<size_t>(d)]);
+          w[static_cast<size_t>(n)] = weights.data_ptr<float>()[t * weights.stride(0) + j];
+          ++n;
+        }
+        detail::reduce_weighted_rows_bf16(result.data_ptr<uint16_t>() + t * result.stride(0), rows.data(), w.data(), n, H);
+      }
     } catch (...) {
+      // Whatever went wrong here, no expert rank may wait for this one to finish reading.
       for (int d = 0; d < R; ++d) m.ll_read(d, me).store(call, std::memory_order_release);
       throw;
-    }
-    // Where each expert rank's rows are, and where this rank's rows begin in each expert.
-    std::vector<const char*> base(static_cast<size_t>(R), nullptr);
-    std::vector<size_t> stride_e(static_cast<size_t>(R)), stride_r(static_cast<size_t>(R));
-    for (int d = 0; d < R; ++d) {
-      if (m.masked[static_cast<size_t>(d)]) continue;
-      const uint64_t* dm = m.ll_meta(d, half);
-      if (dm[kLLHidden] != static_cast<uint64_t>(H))
-        fail(fn, "x", "the same hidden size on every rank", std::to_string(dm[kLLHidden]) + " on rank " + std::to_string(d));
-      const auto& peer = m.peers[static_cast<size_t>(d)];
-      base[static_cast<size_t>(d)] = dm[kLLXWhere] == 1 ? peer.low_latency->data() + dm[kLLXOff]
-                                                          : peer.segments[static_cast<size_t>(dm[kLLXSeg])]->data() + dm[kLLXOff];
-      stride_e[static_cast<size_t>(d)] = dm[kLLXStrideE];
-      stride_r[static_cast<size_t>(d)] = dm[kLLXStrideR];
-    }
-    std::vector<int32_t> seen(static_cast<size_t>(local_E * R), 0);  // this rank's rows per expert so far
-    std::vector<const uint16_t*> rows(static_cast<size_t>(k));
-    std::vector<float> w(static_cast<size_t>(k));
-    for (int64_t t = 0; t < T; ++t) {
-      int n = 0;
-      for (int64_t j = 0; j < k; ++j) {
-        const int64_t e = topk_idx.data_ptr<int64_t>()[t * topk_idx.stride(0) + j];
-        if (e < 0) continue;
-        bool repeat = false;  // a token that lists an expert twice was sent (and counts) once
-        for (int64_t q = 0; q < j; ++q) repeat |= topk_idx.data_ptr<int64_t>()[t * topk_idx.stride(0) + q] == e;
-        const int d = static_cast<int>(e / local_E);
-        const int64_t el = e % local_E;
-        int32_t& i = seen[static_cast<size_t>(e)];
-        if (repeat) continue;
-        const int32_t index = i++;
-        if (m.masked[static_cast<size_t>(d)]) continue;
-        // begin of this rank's rows inside expert el on rank d: from d's layout_range.
-        const char* drange = m.peers[static_cast<size_t>(d)].low_latency->data() + static_cast<size_t>(state->half) * L.half_bytes + L.layout_range;
-        const int64_t begin = reinterpret_cast<const int64_t*>(drange)[el * R + me] >> 32;
-        rows[static_cast<size_t>(n)] = reinterpret_cast<const uint16_t*>(base[static_cast<size_t>(d)] + static_cast<size_t>(el) * stride_e[static_cast<size_t>(d)] +
-                                                                         static_cast<size_t>(begin + index) * stride_r[static_cast<size_t>(d)]);
-        w[static_cast<size_t>(n)] = weights.data_ptr<float>()[t * weights.stride(0) + j];
-        ++n;
-      }
-      detail::reduce_weighted_rows_bf16(result.data_ptr<uint16_t>() + t * result.stride(0), rows.data(), w.data(), n, H);
     }
     for (int d = 0; d < R; ++d) m.ll_read(d, me).store(call, std::memory_order_release);
     // x offered in place stays untouched until every owner has read it.
