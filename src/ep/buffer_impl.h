@@ -404,6 +404,8 @@ struct Buffer::Impl {
     }
   }
 
+  // A block of this rank's heap. Only before the op publishes kNumSegs: a segment the heap
+  // grows by must be announced (and mapped by every peer) in the op that created it.
   std::shared_ptr<Block> allocate(size_t bytes) {
     bytes = align_up(std::max<size_t>(bytes, 64), 4096);
     int seg = 0;

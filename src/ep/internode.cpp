@@ -16,6 +16,8 @@
 // result depends neither on thread counts nor on timing; with one node it is the one-node
 // sum bit for bit, with several it may differ from it in the last f32 bit before rounding
 // (partial sums are associated per node).
+#include <sched.h>
+
 #include <algorithm>
 #include <bit>
 #include <climits>
@@ -99,7 +101,9 @@ void exchange(Buffer::Impl& m, const char* fn, MPI_Comm comm, int tag, const std
       if (silent.empty()) silent = global_ranks;  // only sends were pending: someone is not receiving
       throw TimeoutError(fn, silent, m.timeout);
     }
-    ::usleep(20);
+    // MPI progresses (TCP especially) only inside MPI calls: keep testing, only yielding the
+    // core to other runnable ranks, never sleeping.
+    sched_yield();
   }
 }
 
@@ -254,7 +258,14 @@ DispatchResult dispatch_internode(Buffer::Impl& m, const DispatchArgs& a) {
     recv_total += recv_bytes[static_cast<size_t>(n)];
   }
   // Rail buffers in the heap: their pages are mapped already (a fresh allocation would fault).
-  std::shared_ptr<Block> rail_send = m.allocate(send_total), rail_recv = m.allocate(recv_total);
+  std::shared_ptr<Block> rail_send, rail_recv;
+  try {
+    rail_send = m.allocate(send_total);
+    rail_recv = m.allocate(recv_total);
+  } catch (...) {
+    m.abandon();
+    throw;
+  }
   {
     char* at = rail_send->data();
     for (int n = 0; n < N; ++n)
@@ -397,9 +408,26 @@ CombineResult combine_internode(Buffer::Impl& m, const CombineArgs& a) {
   };
   const int64_t staged = stage_rows_before(lr, N, 0);
   const size_t weights_at = align_up(static_cast<size_t>(staged) * row_bytes, 64);
-  std::shared_ptr<Block> staging;
+  // Partials travel in f32 (the spec sums in f32; the network carries 2x the bf16 bytes).
+  const size_t partial_row = static_cast<size_t>(hidden) * 4;
+  const size_t partial_bytes = align_up(partial_row + static_cast<size_t>(topk) * 4, 64);
+  std::vector<size_t> send_bytes(static_cast<size_t>(N), 0), recv_bytes(static_cast<size_t>(N), 0);
+  for (const auto& c : hs->carried) send_bytes[static_cast<size_t>(c.source / L)] = c.token.size() * partial_bytes;
+  size_t send_total = 0, recv_total = 0;
+  for (int n = 0; n < N; ++n) {
+    recv_bytes[static_cast<size_t>(n)] = hs->node_tokens[static_cast<size_t>(n)].size() * partial_bytes;
+    send_total += send_bytes[static_cast<size_t>(n)];
+    recv_total += recv_bytes[static_cast<size_t>(n)];
+  }
+  // Every block is taken from the heap here, before the segment count is published: the
+  // heap's pages are mapped already, and a segment the heap grows by is announced to peers.
+  const size_t out_weights_at = align_up(static_cast<size_t>(hs->tokens) * row_bytes, 64);
+  std::shared_ptr<Block> staging, rail_send, rail_recv, output;
   try {
+    output = m.allocate(out_weights_at + static_cast<size_t>(hs->tokens * topk) * 4);
     staging = m.allocate(weights_at + static_cast<size_t>(staged * topk) * 4);
+    rail_send = m.allocate(send_total);
+    rail_recv = m.allocate(recv_total);
   } catch (...) {
     m.abandon();
     throw;
@@ -414,14 +442,12 @@ CombineResult combine_internode(Buffer::Impl& m, const CombineArgs& a) {
   m.check_peer_errors(fn);
 
   CombineResult out;
-  const size_t out_weights_at = align_up(static_cast<size_t>(hs->tokens) * row_bytes, 64);
-  std::shared_ptr<Block> output = m.allocate(out_weights_at + static_cast<size_t>(hs->tokens * topk) * 4);
   out.combined_x = Tensor::from_blob_with_owner(output->data(), {hs->tokens, hidden}, DType::bf16, output);
   if (topk > 0) out.combined_topk_weights = Tensor::from_blob_with_owner(output->data() + out_weights_at, {hs->tokens, topk}, DType::f32, output);
   const int threads = m.copy_threads(a.config);
   Tensor x = a.x, weights = a.topk_weights, bias_0 = a.bias_0, bias_1 = a.bias_1, combined = out.combined_x, combined_w = out.combined_topk_weights;
-  auto task = [&m, hs, staging, output, x, weights, bias_0, bias_1, combined, combined_w, hidden, topk, row_bytes, weights_at, threads,
-               stage_rows_before, fn] {
+  auto task = [&m, hs, staging, output, rail_send, rail_recv, send_bytes, recv_bytes, partial_row, partial_bytes, x, weights, bias_0,
+               bias_1, combined, combined_w, hidden, topk, row_bytes, weights_at, threads, stage_rows_before, fn] {
     const int R = m.num_ranks, me = m.rank, L = m.ranks_per_node, N = m.num_nodes(), node = me / L, lr = m.local_rank;
     for (int d = 0; d < L; ++d) m.map_new_segments(d);
     // Stage B back: rows of every source go to that source's forwarder on this node.
@@ -450,20 +476,8 @@ CombineResult combine_internode(Buffer::Impl& m, const CombineArgs& a) {
 
     // Partial sums of carried tokens (this node's receivers), back over the rail.
     const char* stage = staging->data();
-    // Partials travel in f32 (the spec sums in f32; the network carries 2x the bf16 bytes).
-    const size_t partial_row = static_cast<size_t>(hidden) * 4;
-    const size_t partial_bytes = align_up(partial_row + static_cast<size_t>(topk) * 4, 64);
-    std::vector<size_t> send_bytes(static_cast<size_t>(N), 0), recv_bytes(static_cast<size_t>(N), 0);
-    for (const auto& c : hs->carried) send_bytes[static_cast<size_t>(c.source / L)] = c.token.size() * partial_bytes;
-    size_t send_total = 0, recv_total = 0;
-    for (int n = 0; n < N; ++n) {
-      recv_bytes[static_cast<size_t>(n)] = hs->node_tokens[static_cast<size_t>(n)].size() * partial_bytes;
-      send_total += send_bytes[static_cast<size_t>(n)];
-      recv_total += recv_bytes[static_cast<size_t>(n)];
-    }
-    std::vector<char> send(std::max<size_t>(send_total, 1)), recv(std::max<size_t>(recv_total, 1));
     {
-      char* at = send.data();
+      char* at = rail_send->data();
       std::vector<const uint16_t*> rows(static_cast<size_t>(L));
       for (const auto& c : hs->carried) {
         const int src_node = c.source / L;
@@ -484,13 +498,13 @@ CombineResult combine_internode(Buffer::Impl& m, const CombineArgs& a) {
         }
       }
     }
-    rail_exchange(m, fn, kTagPartials, send.data(), send_bytes, recv.data(), recv_bytes);
+    rail_exchange(m, fn, kTagPartials, rail_send->data(), send_bytes, rail_recv->data(), recv_bytes);
 
     // Final sum per own token: nodes in order; this node's receivers row by row, other nodes'
     // partials; then the biases.
     std::vector<const char*> partials(static_cast<size_t>(N), nullptr);
     {
-      const char* at = recv.data();
+      const char* at = rail_recv->data();
       for (int n = 0; n < N; ++n) {
         partials[static_cast<size_t>(n)] = at;
         at += recv_bytes[static_cast<size_t>(n)];

@@ -301,7 +301,7 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch_checked(const LowLatencyDi
           const auto& list = chosen[static_cast<size_t>(e)];
           for (size_t i = 0; i < list.size(); ++i) {
             const int64_t row = e * L.slots + count[e] + static_cast<int64_t>(i), t = list[i];
-            std::memcpy(own + L.recv_x + static_cast<size_t>(row) * row_bytes, theirs + L.send_x + static_cast<size_t>(t) * row_bytes, row_bytes);
+            detail::copy_stream(own + L.recv_x + static_cast<size_t>(row) * row_bytes, theirs + L.send_x + static_cast<size_t>(t) * row_bytes, row_bytes);
             if (fp8_mode == 1) {
               std::memcpy(own + L.recv_scales + static_cast<size_t>(row) * sc_bytes, theirs + L.send_scales + static_cast<size_t>(t) * sc_bytes, sc_bytes);
             } else if (fp8_mode == 2) {
@@ -325,6 +325,7 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch_checked(const LowLatencyDi
       }
       if (!m.masked[static_cast<size_t>(s)]) m.ll_gathered(s, me).store(call, std::memory_order_release);
     }
+    detail::stream_fence();  // the rows were streamed; whoever waits on this receive reads them
     std::copy_n(count, local_E, state->recv_count.begin());
     if (stats.defined())
       for (int64_t e = 0; e < local_E; ++e) stats.data_ptr<int32_t>()[e * stats.stride(0)] += count[e];
@@ -427,7 +428,7 @@ LowLatencyCombineResult Buffer::low_latency_combine_checked(const LowLatencyComb
       fail(fn, "x", "get_next_low_latency_combine_buffer(handle) with zero_copy", "a tensor outside the buffer");
     for (int64_t e = 0; e < local_E; ++e)
       for (int64_t r = 0; r < state->recv_count[static_cast<size_t>(e)]; ++r)
-        std::memcpy(own + L.combine_x + static_cast<size_t>(e * L.slots + r) * row_bytes,
+        detail::copy_stream(own + L.combine_x + static_cast<size_t>(e * L.slots + r) * row_bytes,
                     static_cast<const char*>(a.x.data()) + static_cast<size_t>(e) * xs_e + static_cast<size_t>(r) * xs_r, row_bytes);
     meta[kLLXWhere] = 1;
     meta[kLLXOff] = static_cast<uint64_t>(own + L.combine_x - seg->data());
@@ -437,6 +438,7 @@ LowLatencyCombineResult Buffer::low_latency_combine_checked(const LowLatencyComb
   meta[kLLHidden] = static_cast<uint64_t>(H);
   meta[kLLDispatchHalf] = static_cast<uint64_t>(state->half);
   meta[kLLError] = 0;
+  detail::stream_fence();
   m.ll_offered(me).store(call, std::memory_order_release);
 
   LowLatencyCombineResult out;
