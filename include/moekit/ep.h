@@ -10,6 +10,13 @@
 // Buffer operation from the thread that initialised it, on every rank, in the same order.
 #pragma once
 
+// The C API only: OpenMPI's deprecated C++ bindings do not compile cleanly with -Wextra.
+#ifndef OMPI_SKIP_MPICXX
+#define OMPI_SKIP_MPICXX 1
+#endif
+#ifndef MPICH_SKIP_MPICXX
+#define MPICH_SKIP_MPICXX 1
+#endif
 #include <mpi.h>
 
 #include <cstdint>
