@@ -55,7 +55,9 @@ struct Config {
   // needs at least (the control block plus one receive chunk per peer). Received tensors
   // larger than the buffer make it grow on demand (docs/EP.md).
   int64_t get_nvl_buffer_size_hint(int64_t hidden_bytes, int num_ranks) const;
-  // Internode bytes: 0 (a Buffer spans one node until the internode path lands).
+  // 0: normal mode needs no separate internode buffer (its MPI staging comes from the same
+  // heap as num_nvl_bytes, grown on demand). num_rdma_bytes sizes the low-latency halves only.
+  // (hidden_bytes and num_ranks are kept for DeepEP's signature.)
   int64_t get_rdma_buffer_size_hint(int64_t hidden_bytes, int num_ranks) const;
 };
 
