@@ -4,7 +4,9 @@
 // Ranks on one node exchange through POSIX shared memory that every rank of the node maps:
 // a sender writes its rows straight into the receiver's memory (the analogue of DeepEP's
 // NVLink buffers), so each dispatched byte is copied exactly once. The received tensors
-// live in that shared memory and stay valid for as long as the caller holds them.
+// live in that shared memory and stay valid for as long as the caller holds them. Across
+// nodes (normal mode), each token crosses MPI once per destination node and is forwarded
+// within the node (DeepEP's internode scheme); low-latency mode is one node only for now.
 //
 // The caller initialises MPI (MPI_Init_thread, at least MPI_THREAD_FUNNELED) and calls every
 // Buffer operation from the thread that initialised it, on every rank, in the same order.
