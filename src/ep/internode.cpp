@@ -319,30 +319,16 @@ DispatchResult dispatch_internode(Buffer::Impl& m, const DispatchArgs& a) {
                                      x, x_scales, topk_idx, topk_weights, recv_src_idx] {
     const int R = m.num_ranks, me = m.rank, L = m.ranks_per_node, node = me / L;
     for (int d = 0; d < L; ++d) m.map_new_segments(d);
-    struct Dest {
-      char* base;
-      RecvLayout layout;
-    };
-    std::vector<Dest> dests;
-    for (int d = 0; d < L; ++d) {
-      const uint64_t* dm = m.meta(d);
-      dests.push_back({m.peer_data(d, dm[kSeg], dm[kOff]), RecvLayout(worst > 0 ? worst : hs->recv_total(node * L + d), row_bytes, scale_cols, topk)});
-    }
     const int64_t experts_per_rank = experts > 0 ? experts / R : 0;
-    // One row into local receiver d at `row`, from a row/scales/topk/weights source.
-    auto put = [&](int d, int64_t row, const char* xrow, const float* sf, const int64_t* ids, const float* w, int32_t token) {
+    std::vector<RecvRowWriter> dests;
+    std::vector<int64_t> own_start;  // where this rank's own rows start in each local receiver
+    for (int d = 0; d < L; ++d) {
       const int g = node * L + d;
-      const Dest& dst = dests[static_cast<size_t>(d)];
-      detail::copy_stream(dst.base + dst.layout.x + static_cast<size_t>(row) * row_bytes, xrow, row_bytes);
-      if (scale_cols > 0) std::memcpy(dst.base + dst.layout.scales + static_cast<size_t>(row * scale_cols) * 4, sf, static_cast<size_t>(scale_cols) * 4);
-      for (int64_t q = 0; q < topk; ++q) {
-        const int64_t e = ids[q];
-        const bool local = e >= g * experts_per_rank && e < (g + 1) * experts_per_rank;
-        reinterpret_cast<int64_t*>(dst.base + dst.layout.topk_idx)[row * topk + q] = local ? e - g * experts_per_rank : -1;
-        reinterpret_cast<float*>(dst.base + dst.layout.topk_weights)[row * topk + q] = local ? w[q] : 0.0f;
-      }
-      reinterpret_cast<int32_t*>(dst.base + dst.layout.src_idx)[row] = token;
-    };
+      const uint64_t* dm = m.meta(d);
+      dests.push_back({m.peer_data(d, dm[kSeg], dm[kOff]), RecvLayout(worst > 0 ? worst : hs->recv_total(g), row_bytes, scale_cols, topk),
+                       g, row_bytes, scale_cols, topk, experts_per_rank});
+      own_start.push_back(hs->recv_before(me, g));
+    }
     const int32_t* head = hs->send_head.data_ptr<int32_t>();
     parallel_chunks(threads, hs->tokens, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t)
@@ -350,7 +336,7 @@ DispatchResult dispatch_internode(Buffer::Impl& m, const DispatchArgs& a) {
           const int g = node * L + d;
           const int32_t j = head[t * R + g];
           if (j < 0) continue;
-          put(d, hs->recv_before(me, g) + j,
+          dests[static_cast<size_t>(d)].put(own_start[static_cast<size_t>(d)] + j,
               static_cast<const char*>(x.data()) + t * x.stride(0) * static_cast<int64_t>(x.element_size()),
               scale_cols > 0 ? x_scales.data_ptr<float>() + t * x_scales.stride(0) : nullptr,
               topk > 0 ? topk_idx.data_ptr<int64_t>() + t * topk_idx.stride(0) : nullptr,
@@ -365,7 +351,7 @@ DispatchResult dispatch_internode(Buffer::Impl& m, const DispatchArgs& a) {
       for (size_t i = 0; i < c.token.size(); ++i, record += rr.bytes)
         for (int d = 0; d < L; ++d)
           if (c.mask[i] >> d & 1u)
-            put(d, next[static_cast<size_t>(d)]++, record, reinterpret_cast<const float*>(record + rr.scales),
+            dests[static_cast<size_t>(d)].put(next[static_cast<size_t>(d)]++, record, reinterpret_cast<const float*>(record + rr.scales),
                 reinterpret_cast<const int64_t*>(record + rr.topk), reinterpret_cast<const float*>(record + rr.weights), c.token[i]);
     }
     char* own = block->data();

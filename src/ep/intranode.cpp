@@ -95,24 +95,21 @@ DispatchResult Buffer::dispatch(const DispatchArgs& a) {
   const int64_t worst = a.num_worst_tokens;
   Tensor x = a.x, x_scales = a.x_scales, topk_idx = a.topk_idx, topk_weights = a.topk_weights;
   Tensor recv_src_idx = h.recv_src_idx;
-  out.event = m.run(a.async_finish, [&m, hs, block, layout, plan_hidden = plan.hidden, row_bytes = plan.row_bytes,
+  out.event = m.run(a.async_finish, [&m, hs, block, layout, row_bytes = plan.row_bytes,
                                      scale_cols = plan.scale_cols, topk = plan.topk, experts = plan.experts, worst,
                                      threads, x, x_scales, topk_idx, topk_weights, recv_src_idx] {
     const int R = m.num_ranks, me = m.rank;
     for (int d = 0; d < R; ++d) m.map_new_segments(d);
     // Where each receiver's block is, and where this rank's rows start in it.
-    struct Dest {
-      char* base;
-      RecvLayout layout;
-      int64_t start;
-    };
-    std::vector<Dest> dests;
+    const int64_t experts_per_rank = experts > 0 ? experts / R : 0;
+    std::vector<RecvRowWriter> dests;
+    std::vector<int64_t> start;
     for (int d = 0; d < R; ++d) {
       const uint64_t* dm = m.meta(d);
-      dests.push_back({m.peer_data(d, dm[kSeg], dm[kOff]),
-                       RecvLayout(worst > 0 ? worst : hs->recv_total(d), row_bytes, scale_cols, topk), hs->recv_before(me, d)});
+      dests.push_back({m.peer_data(d, dm[kSeg], dm[kOff]), RecvLayout(worst > 0 ? worst : hs->recv_total(d), row_bytes, scale_cols, topk),
+                       d, row_bytes, scale_cols, topk, experts_per_rank});
+      start.push_back(hs->recv_before(me, d));
     }
-    const int64_t experts_per_rank = experts > 0 ? experts / R : 0;
     const int32_t* head = hs->send_head.data_ptr<int32_t>();
     // Token-major: a token's row is read from memory once and written to each of its
     // receivers while it is still in cache.
@@ -122,20 +119,11 @@ DispatchResult Buffer::dispatch(const DispatchArgs& a) {
         for (int d = 0; d < R; ++d) {
           const int32_t j = head[t * R + d];
           if (j < 0) continue;
-          const Dest& dst = dests[static_cast<size_t>(d)];
-          const int64_t row = dst.start + j;
-          detail::copy_stream(dst.base + dst.layout.x + static_cast<size_t>(row) * row_bytes, src, row_bytes);
-          if (scale_cols > 0)
-            std::memcpy(dst.base + dst.layout.scales + static_cast<size_t>(row * scale_cols) * 4,
-                        x_scales.data_ptr<float>() + t * x_scales.stride(0), static_cast<size_t>(scale_cols) * 4);
-          for (int64_t q = 0; q < topk; ++q) {
-            const int64_t e = topk_idx.data_ptr<int64_t>()[t * topk_idx.stride(0) + q];
-            const bool local = e >= d * experts_per_rank && e < (d + 1) * experts_per_rank;
-            reinterpret_cast<int64_t*>(dst.base + dst.layout.topk_idx)[row * topk + q] = local ? e - d * experts_per_rank : -1;
-            reinterpret_cast<float*>(dst.base + dst.layout.topk_weights)[row * topk + q] =
-                local ? topk_weights.data_ptr<float>()[t * topk_weights.stride(0) + q] : 0.0f;
-          }
-          reinterpret_cast<int32_t*>(dst.base + dst.layout.src_idx)[row] = static_cast<int32_t>(t);
+          dests[static_cast<size_t>(d)].put(start[static_cast<size_t>(d)] + j, src,
+                                            scale_cols > 0 ? x_scales.data_ptr<float>() + t * x_scales.stride(0) : nullptr,
+                                            topk > 0 ? topk_idx.data_ptr<int64_t>() + t * topk_idx.stride(0) : nullptr,
+                                            topk > 0 ? topk_weights.data_ptr<float>() + t * topk_weights.stride(0) : nullptr,
+                                            static_cast<int32_t>(t));
         }
       }
       detail::stream_fence();  // each thread orders its own non-temporal stores
@@ -147,7 +135,6 @@ DispatchResult Buffer::dispatch(const DispatchArgs& a) {
     m.check_peer_errors(kDispatch);
     m.finish_op_segments();
     std::memcpy(recv_src_idx.data(), own + layout.src_idx, static_cast<size_t>(hs->rows) * 4);
-    (void)plan_hidden;
   });
   return out;
 }

@@ -143,23 +143,29 @@ void ll_check_peer_errors(const Buffer::Impl& m, const char* fn, int half) {
            "rank " + std::to_string(p) + " rejected its arguments (see its error)");
 }
 
-LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchArgs& a) {
-  Impl& m = *impl_;
-  const char* fn = kLLDispatch;
+// The entry of both low-latency operations: buffer checks, then the call; a rank that
+// rejects its arguments before taking part still marks the call (ll_abandon) so that its
+// peers raise instead of waiting.
+template <class Body>
+auto ll_call(Buffer::Impl& m, const char* fn, uint64_t& calls, bool dispatch, Body&& body) {
   if (!m.available) fail(fn, "buffer", "a live buffer", "a destroyed buffer");
   if (m.num_nodes() > 1)
     fail(fn, "buffer", "ranks on one node (low-latency mode across nodes is not implemented yet)",
          std::to_string(m.num_nodes()) + " nodes");
   if (m.pending.valid()) m.pending.wait();
-  const uint64_t before = m.ll_dispatches;
+  const uint64_t before = calls;
   try {
-    return low_latency_dispatch_checked(a);
+    return body();
   } catch (const TimeoutError&) {
     throw;
   } catch (const Error&) {
-    if (m.ll_dispatches == before) ll_abandon(m, ++m.ll_dispatches, true);  // rejected before sending
+    if (calls == before) ll_abandon(m, ++calls, dispatch);
     throw;
   }
+}
+
+LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchArgs& a) {
+  return ll_call(*impl_, kLLDispatch, impl_->ll_dispatches, true, [&] { return low_latency_dispatch_checked(a); });
 }
 
 LowLatencyDispatchResult Buffer::low_latency_dispatch_checked(const LowLatencyDispatchArgs& a) {
@@ -357,22 +363,7 @@ Tensor Buffer::get_next_low_latency_combine_buffer(const LowLatencyHandle& handl
 }
 
 LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs& a) {
-  Impl& m = *impl_;
-  const char* fn = kLLCombine;
-  if (!m.available) fail(fn, "buffer", "a live buffer", "a destroyed buffer");
-  if (m.num_nodes() > 1)
-    fail(fn, "buffer", "ranks on one node (low-latency mode across nodes is not implemented yet)",
-         std::to_string(m.num_nodes()) + " nodes");
-  if (m.pending.valid()) m.pending.wait();
-  const uint64_t before = m.ll_combines;
-  try {
-    return low_latency_combine_checked(a);
-  } catch (const TimeoutError&) {
-    throw;
-  } catch (const Error&) {
-    if (m.ll_combines == before) ll_abandon(m, ++m.ll_combines, false);  // rejected before offering
-    throw;
-  }
+  return ll_call(*impl_, kLLCombine, impl_->ll_combines, false, [&] { return low_latency_combine_checked(a); });
 }
 
 LowLatencyCombineResult Buffer::low_latency_combine_checked(const LowLatencyCombineArgs& a) {

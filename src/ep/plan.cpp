@@ -1,6 +1,7 @@
 #include "ep/plan.h"
 
 #include <algorithm>
+#include <cstring>
 #include <string>
 
 #include "core/check.h"
@@ -150,6 +151,19 @@ void fill_dispatch_outputs(DispatchResult& out, const DispatchPlan& plan, DType 
   h.hidden = plan.hidden;
   hs->send_head = h.send_head;
   h.internal = hs;
+}
+
+void RecvRowWriter::put(int64_t row, const char* xrow, const float* sf, const int64_t* ids, const float* w,
+                        int32_t token) const {
+  detail::copy_stream(base + layout.x + static_cast<size_t>(row) * row_bytes, xrow, row_bytes);
+  if (scale_cols > 0) std::memcpy(base + layout.scales + static_cast<size_t>(row * scale_cols) * 4, sf, static_cast<size_t>(scale_cols) * 4);
+  for (int64_t q = 0; q < topk; ++q) {
+    const int64_t e = ids[q];
+    const bool local = e >= dest * experts_per_rank && e < (dest + 1) * experts_per_rank;
+    reinterpret_cast<int64_t*>(base + layout.topk_idx)[row * topk + q] = local ? e - dest * experts_per_rank : -1;
+    reinterpret_cast<float*>(base + layout.topk_weights)[row * topk + q] = local ? w[q] : 0.0f;
+  }
+  reinterpret_cast<int32_t*>(base + layout.src_idx)[row] = token;
 }
 
 void pad_worst_rows(char* own, const RecvLayout& layout, const HandleState& hs, int64_t topk) {

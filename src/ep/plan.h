@@ -29,6 +29,17 @@ std::shared_ptr<Block> publish_recv_block(Buffer::Impl& m, const char* fn, const
 // The result tensors (views of the block) and the handle of a dispatch.
 void fill_dispatch_outputs(DispatchResult& out, const DispatchPlan& plan, DType x_dtype, const std::shared_ptr<HandleState>& hs,
                            const std::shared_ptr<Block>& block, const RecvLayout& layout);
+// One received row into a receiver's block: the x row (streamed), its scales, its top-k ids
+// rewritten to the receiver's local experts (others -1, weight 0) and the source token.
+struct RecvRowWriter {
+  char* base;
+  RecvLayout layout;
+  int dest;  // global rank of the receiver
+  size_t row_bytes;
+  int64_t scale_cols, topk, experts_per_rank;
+  void put(int64_t row, const char* xrow, const float* sf, const int64_t* ids, const float* w, int32_t token) const;
+};
+
 // Worst-case padding rows of this rank's block: top-k -1, weight 0, source -1.
 void pad_worst_rows(char* own, const RecvLayout& layout, const HandleState& hs, int64_t topk);
 
