@@ -93,24 +93,7 @@ BufferGuard make_ll_buffer(int64_t rdma_bytes, BufferOptions options = {}, int64
   return g;
 }
 
-// Low-latency mode is one node only for now (docs/EP.md: an Error naming the node count
-// otherwise). The nodes a Buffer on MPI_COMM_WORLD sees (collective on first use, which is
-// the first low-latency test on every rank).
-int ll_num_nodes() {
-  static int nodes = 0;
-  if (nodes == 0) {
-    Buffer b(MPI_COMM_WORLD, 1 << 16, 0);
-    nodes = b.get_num_ranks() / b.get_num_local_ranks();
-    b.destroy();
-  }
-  return nodes;
-}
 
-#define SKIP_ACROSS_NODES()                                                                              \
-  do {                                                                                                   \
-    if (ll_num_nodes() > 1)                                                                              \
-      GTEST_SKIP() << "low-latency mode is one node only for now (docs/EP.md); EpLowLatency.AcrossNodesRaises checks that"; \
-  } while (0)
 
 // ------------------------------------------------------------------ formats and completion modes
 
@@ -684,7 +667,6 @@ CaseResult run_case(Buffer& buf, const LLWorld& w, Fmt f, Completion c, const st
 
 TEST(EpLowLatency, SizeHintAndMaskBuffer) {
   const int R = num_ranks(), me = my_rank();
-  ASSERT_GE(ll_num_nodes(), 1);  // (collective: every rank makes the first call here)
   const int64_t hint = get_low_latency_rdma_size_hint(16, 384, R, 4 * R);
   EXPECT_GT(hint, 0);
   EXPECT_GE(get_low_latency_rdma_size_hint(16, 7168, R, 4 * R), hint);
@@ -721,7 +703,6 @@ TEST(EpLowLatency, SizeHintAndMaskBuffer) {
     EXPECT_EQ(vector_of<int32_t>(buf->low_latency_query_mask_buffer()), zeros) << "clean_mask_buffer unmasks everyone";
   }
   // After all that (local) traffic a low-latency round still works on every rank.
-  if (ll_num_nodes() > 1) return;  // low-latency mode is one node only for now
   const LLWorld w = make_ll_world([&] {
     LLSpec s;
     s.hidden = 384;
@@ -743,7 +724,6 @@ TEST(EpLowLatency, SizeHintAndMaskBuffer) {
 // a scalar tail; three groups, i.e. a partial ue8m0 word), rank-encoded and random rows, with
 // a cumulative stats tensor accumulated over all calls.
 TEST(EpLowLatency, DispatchCombineEveryMode) {
-  SKIP_ACROSS_NODES();
   const int R = num_ranks();
   for (int64_t H : {int64_t{128}, int64_t{200}, int64_t{384}}) {
     SCOPED_TRACE("H=" + std::to_string(H));
@@ -806,7 +786,6 @@ TEST(EpLowLatency, DispatchCombineEveryMode) {
 // (two experts filled to capacity, max * R rows), every entry -1, no tokens anywhere; x given
 // as a view with padded rows.
 TEST(EpLowLatency, EdgeWorlds) {
-  SKIP_ACROSS_NODES();
   const int R = num_ranks(), me = my_rank();
   struct Edge {
     const char* name;
@@ -873,7 +852,6 @@ TEST(EpLowLatency, EdgeWorlds) {
 // get_next_low_latency_combine_buffer with zero_copy, in Buffer::alloc_shared memory, with a
 // caller-provided `out` (padded rows), each sync / async / hook.
 TEST(EpLowLatency, CombinePathsAreBitIdentical) {
-  SKIP_ACROSS_NODES();
   const int R = num_ranks(), me = my_rank();
   LLSpec s;
   s.hidden = 512;
@@ -955,7 +933,6 @@ TEST(EpLowLatency, CombinePathsAreBitIdentical) {
 // instead of an FMA, another order of the terms or an extra rounding all show. Two hidden
 // sizes: 512 (vector kernels only) and 200 (a scalar tail of 8 columns).
 TEST(EpLowLatency, CombineRoundingIsExact) {
-  SKIP_ACROSS_NODES();
   const int R = num_ranks();
   for (int64_t H : {int64_t{512}, int64_t{200}}) {
     LLSpec s;
@@ -998,7 +975,6 @@ TEST(EpLowLatency, CombineRoundingIsExact) {
 // dispatch B; A must still be intact and B correct; combine B then A (the reverse order),
 // each combine's view must survive the other combine.
 TEST(EpLowLatency, TwoResultsLive) {
-  SKIP_ACROSS_NODES();
   const int R = num_ranks();
   LLSpec sa;
   sa.hidden = 384;
@@ -1058,7 +1034,6 @@ TEST(EpLowLatency, TwoResultsLive) {
 // DeepEP's two-micro-batch overlap: both dispatches issued with return_recv_hook before either
 // receive completes, hooks called afterwards (in order), then the same for the combines.
 TEST(EpLowLatency, TwoMicroBatchesWithHooks) {
-  SKIP_ACROSS_NODES();
   const int R = num_ranks();
   LLSpec sa;
   sa.hidden = 256;
@@ -1124,7 +1099,6 @@ TEST(EpLowLatency, TwoMicroBatchesWithHooks) {
 // result stays valid until the second low-latency dispatch after it; nothing there restricts
 // the shapes of the calls in between). A: H = 128, B: H = 7168, every rank at the token limit.
 TEST(EpLowLatency, TwoResultsLiveOfDifferentHiddenSizes) {
-  SKIP_ACROSS_NODES();
   const int R = num_ranks();
   if (R < 2) GTEST_SKIP() << "needs two ranks";
   LLSpec sa;
@@ -1171,7 +1145,6 @@ TEST(EpLowLatency, TwoResultsLiveOfDifferentHiddenSizes) {
 
 // H = 7168 (DeepSeek's hidden size) on a buffer of exactly the size hint.
 TEST(EpLowLatency, Hidden7168OnExactSizeHint) {
-  SKIP_ACROSS_NODES();
   const int R = num_ranks();
   LLSpec s;
   s.hidden = 7168;
@@ -1201,7 +1174,6 @@ TEST(EpLowLatency, Hidden7168OnExactSizeHint) {
 
 // ep.md "a pressure mode reruns 20 times and compares hashes (determinism)".
 TEST(EpLowLatency, DeterministicOver20Runs) {
-  SKIP_ACROSS_NODES();
   const int R = num_ranks();
   LLSpec s;
   s.hidden = 512;
@@ -1240,7 +1212,6 @@ TEST(EpLowLatency, DeterministicOver20Runs) {
 // Bad arguments on every rank: every rank raises before communicating (no hang), and the
 // buffer still works afterwards.
 TEST(EpLowLatency, BadArgumentsRaiseOnEveryRank) {
-  SKIP_ACROSS_NODES();
   const int R = num_ranks(), me = my_rank();
   LLSpec s;
   s.hidden = 256;
@@ -1400,7 +1371,6 @@ TEST(EpLowLatency, BadArgumentsRaiseOnEveryRank) {
 // format, token limit or hidden size that differs across ranks (what must agree): every rank
 // raises.
 TEST(EpLowLatency, BadInputOnOneRankRaisesOnEveryRank) {
-  SKIP_ACROSS_NODES();
   const int R = num_ranks(), me = my_rank();
   if (R < 2) GTEST_SKIP() << "needs two ranks";
   LLSpec s;
@@ -1477,53 +1447,12 @@ TEST(EpLowLatency, BadInputOnOneRankRaisesOnEveryRank) {
   }
 }
 
-// Across nodes (MOEKIT_EP_RANKS_PER_NODE < rank count): until the internode low-latency path
-// lands, every rank raises a moekit::Error naming the nodes, at once (docs/EP.md).
-TEST(EpLowLatency, AcrossNodesRaises) {
-  if (ll_num_nodes() == 1) GTEST_SKIP() << "one node: the other low-latency tests cover it";
-  const int R = num_ranks();
-  LLSpec s;
-  s.hidden = 256;
-  s.experts_per_rank = 2;
-  s.topk = 4;
-  s.max_tokens = 8;
-  s.tokens = mixed_tokens(8);
-  s.seed = 990;
-  const LLWorld w = make_ll_world(s);
-  BufferOptions o;
-  o.timeout_s = 10;
-  BufferGuard buf = make_ll_buffer(w.hint(), o);
-  EXPECT_EQ(buf->get_num_ranks() / buf->get_num_local_ranks(), ll_num_nodes());
-  for (Completion c : kCompletions) {
-    SCOPED_TRACE(completion_name(c));
-    const auto start = std::chrono::steady_clock::now();
-    try {
-      LowLatencyDispatchResult r = run_dispatch(*buf, dispatch_args(w, Fmt::fp8, c), c);
-      ADD_FAILURE() << "low_latency_dispatch across " << ll_num_nodes() << " nodes returned";
-    } catch (const TimeoutError& e) {
-      ADD_FAILURE() << "a TimeoutError, not the documented Error: " << e.what();
-    } catch (const moekit::Error& e) {
-      EXPECT_NE(std::string(e.what()).find("node"), std::string::npos) << "the error should name the nodes: " << e.what();
-    } catch (const std::exception& e) {
-      ADD_FAILURE() << "wrong exception type: " << e.what();
-    }
-    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    EXPECT_LT(waited, 5.0) << "raised only after about the buffer's 10 s timeout";
-    polite_barrier();
-  }
-  // Masks are this rank's view and work anyway.
-  buf->low_latency_update_mask_buffer((my_rank() + 1) % R);
-  buf->low_latency_clean_mask_buffer();
-  EXPECT_EQ(vector_of<int32_t>(buf->low_latency_query_mask_buffer()), std::vector<int32_t>(static_cast<size_t>(R), 0));
-}
-
 // ------------------------------------------------------------------ tests: masking (last)
 
 // Rank m never takes part: the others' first dispatch times out naming m; they mask m and go
 // on without it (nothing received from m, experts on m contribute nothing to combine); masks
 // can be queried, lifted and cleaned. Afterwards every rank (m too) works on a fresh buffer.
 TEST(EpLowLatency, MaskedRankIsSkipped) {
-  SKIP_ACROSS_NODES();
   const int R = num_ranks(), me = my_rank();
   if (R < 2) GTEST_SKIP() << "needs two ranks";
   const int m = R - 1;

@@ -182,6 +182,14 @@ void Buffer::destroy() {
   } catch (const std::exception& e) {
     error = e.what();
   }
+  // Low-latency messages still in flight (to or from a masked or failed rank): MPI may still
+  // use their memory, so it is handed to MPI for good (kept allocated).
+  m.sweep_in_flight();
+  for (auto& f : m.ll_in_flight) {
+    MPI_Request_free(&f.req);
+    (void)f.data.release();
+  }
+  m.ll_in_flight.clear();
   m.peers.clear();
   m.own_ctrl.reset();
   m.heap.reset();

@@ -172,6 +172,25 @@ struct RecvLayout {
   }
 };
 
+// Memory for one MPI message: grows, never shrinks, and is not zero-filled (unlike a vector).
+class MessageBuffer {
+ public:
+  void resize(size_t bytes) {
+    if (bytes > capacity_) {
+      data_.reset(new char[bytes]);
+      capacity_ = bytes;
+    }
+    size_ = bytes;
+  }
+  char* data() { return data_.get(); }
+  const char* data() const { return data_.get(); }
+  size_t size() const { return size_; }
+
+ private:
+  std::unique_ptr<char[]> data_;
+  size_t capacity_ = 0, size_ = 0;
+};
+
 // ---- metadata published in the control segment ----
 enum Meta : int {
   kError,      // 1 when the rank abandoned the operation (bad arguments)
@@ -264,7 +283,54 @@ struct Buffer::Impl {
   // Like wait_all, but masked ranks count as answered.
   template <class Pred>
   void wait_unmasked(const char* fn, Pred&& pred) const {
-    wait_all(fn, [&](int p) { return masked[static_cast<size_t>(p)] != 0 || pred(p); });
+    wait_all(fn, [&](int p) { return masked[static_cast<size_t>(global(p))] != 0 || pred(p); });
+  }
+
+  // Low-latency messages to and from other nodes. Sends complete in the background (their
+  // memory is kept until MPI_Test says done: swept at every wait); so do receives a failed
+  // call left behind. Finished buffers are reused, so no call pays fresh page faults.
+  struct InFlight {
+    MPI_Request req = MPI_REQUEST_NULL;
+    std::unique_ptr<MessageBuffer> data;
+  };
+  std::mutex ll_mu;
+  std::vector<InFlight> ll_in_flight;
+  std::vector<std::unique_ptr<MessageBuffer>> ll_spare;
+  void sweep_in_flight() {
+    std::lock_guard lock(ll_mu);
+    for (size_t i = 0; i < ll_in_flight.size();) {
+      int done = 0;
+      MPI_Test(&ll_in_flight[i].req, &done, MPI_STATUS_IGNORE);
+      if (!done) {
+        ++i;
+        continue;
+      }
+      ll_spare.push_back(std::move(ll_in_flight[i].data));
+      ll_in_flight[i] = std::move(ll_in_flight.back());
+      ll_in_flight.pop_back();
+    }
+  }
+  void keep_in_flight(MPI_Request req, std::unique_ptr<MessageBuffer> data) {
+    std::lock_guard lock(ll_mu);
+    ll_in_flight.push_back({req, std::move(data)});
+  }
+  std::unique_ptr<MessageBuffer> message_buffer(size_t bytes) {
+    std::unique_ptr<MessageBuffer> b;
+    {
+      std::lock_guard lock(ll_mu);
+      if (!ll_spare.empty()) {
+        b = std::move(ll_spare.back());
+        ll_spare.pop_back();
+      }
+    }
+    if (!b) b = std::make_unique<MessageBuffer>();
+    b->resize(bytes);
+    return b;
+  }
+  void recycle(std::unique_ptr<MessageBuffer> b) {
+    if (!b) return;
+    std::lock_guard lock(ll_mu);
+    ll_spare.push_back(std::move(b));
   }
 
   // Control segment layout.
@@ -310,6 +376,8 @@ struct Buffer::Impl {
   // The ranks of this node, by local index (peers[], flags); global rank = node_base + local.
   int node_base() const { return rank - local_rank; }
   int global(int local) const { return node_base() + local; }
+  bool on_node(int g) const { return g / ranks_per_node == rank / ranks_per_node; }
+  int local_of(int g) const { return g - node_base(); }  // for ranks on this node only
 
   // Spins, then yields, then sleeps (ranks may outnumber cores), until pred(p) holds for
   // every local rank p of this node; TimeoutError naming the others (global ranks) after
@@ -451,6 +519,13 @@ struct Buffer::Impl {
     auto state = std::make_shared<EventOverlap::State>();
     state->done = pending;
     return EventOverlap(std::move(state));
+  }
+
+  // Async work that calls MPI needs MPI_THREAD_MULTIPLE; otherwise it completes in the call.
+  static bool can_run_mpi_async() {
+    int provided = MPI_THREAD_SINGLE;
+    MPI_Query_thread(&provided);
+    return provided >= MPI_THREAD_MULTIPLE;
   }
 
   // MPI waits never block forever either.

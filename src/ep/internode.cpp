@@ -157,13 +157,6 @@ void check_same_fields(const char* fn, const std::vector<int64_t>& all, size_t s
              std::to_string(all[static_cast<size_t>(p) * stride + static_cast<size_t>(f)]) + " on rank " + std::to_string(p));
 }
 
-// Async work that calls MPI needs MPI_THREAD_MULTIPLE; otherwise it completes in the call.
-bool can_run_mpi_async() {
-  int provided = MPI_THREAD_SINGLE;
-  MPI_Query_thread(&provided);
-  return provided >= MPI_THREAD_MULTIPLE;
-}
-
 }  // namespace
 
 DispatchResult dispatch_internode(Buffer::Impl& m, const DispatchArgs& a) {
@@ -547,7 +540,7 @@ CombineResult combine_internode(Buffer::Impl& m, const CombineArgs& a) {
     m.wait_done(fn, kPhaseRead);
     m.finish_op_segments();
   };
-  out.event = m.run(a.async_finish && can_run_mpi_async(), std::move(task));
+  out.event = m.run(a.async_finish && Buffer::Impl::can_run_mpi_async(), std::move(task));
   return out;
 }
 

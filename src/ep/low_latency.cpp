@@ -1,15 +1,29 @@
-// Low-latency dispatch and combine (decode) between the ranks of one node.
+// Low-latency dispatch and combine (decode).
 //
-// Pull, not push: a sender quantises its tokens once into its own shared send area and
-// raises one flag; each receiver then gathers, from every sender, the rows of the tokens
-// that chose its experts (source rank, then source token: the order is deterministic), and
-// raises a "gathered" flag that frees the sender's area. Combine mirrors it: each expert rank
-// offers its outputs (in place when they already live in shared memory), each token owner
-// reads the rows it needs and sums them with the routing weights.
+// Within a node, pull, not push: a sender quantises its tokens once into its own shared send
+// area and raises one flag; each receiver then gathers, from every sender, the rows of the
+// tokens that chose its experts (source rank, then source token: the order is deterministic),
+// and raises a "gathered" flag that frees the sender's area. Combine mirrors it: each expert
+// rank offers its outputs (in place when they already live in shared memory), each token
+// owner reads the rows it needs and sums them with the routing weights.
+//
+// Across nodes, push: the send step also posts one MPI message to every rank of another node
+// (like DeepEP's low-latency mode, which writes straight to every rank over RDMA): dispatch
+// sends the metadata, the top-k ids and the rows of the tokens that chose that rank's experts;
+// combine sends each source rank its expert rows back. The receive step (in the call, on the
+// async thread or in the hook) takes them as they come and treats each message exactly as it
+// treats a same-node sender's area, so the order and the bits do not depend on the node count.
+// Every message carries its call number: one left over from a call that failed or timed out
+// is recognised and dropped.
 //
 // Every rank's low-latency segment has two halves used by alternating calls, so a call only
 // ever waits for readers of the call before the previous one ("at most two results live").
+#include <sched.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <chrono>
+#include <climits>
 #include <cstring>
 
 #include "ep/buffer_impl.h"
@@ -72,7 +86,156 @@ enum LLMeta : int {
   kLLXStrideR,  // bytes between rows
   kLLDispatchHalf,
   kLLError,  // 1 when the rank rejected its arguments for this call
+  kLLCall,   // messages across nodes: the sender's call number
+  kLLRows,   // messages across nodes: the rows carried
 };
+static_assert(static_cast<int>(kLLRows) < static_cast<int>(kMetaCount));
+
+constexpr int kTagLLDispatch = 201, kTagLLCombine = 202;
+
+// A message to a rank of another node: [metadata (the LLMeta record)][top-k ids, i32 T x k]
+// [rows][f32 scales, a row each]. Combine messages carry rows only.
+struct LLMessage {
+  size_t topk = kMetaCount * 8, x = 0, scales = 0, bytes = 0;
+  LLMessage(int64_t tokens, int64_t k, int64_t rows, size_t row_bytes, size_t scale_bytes) {
+    x = align_up(topk + static_cast<size_t>(tokens * k) * 4, 64);
+    scales = align_up(x + static_cast<size_t>(rows) * row_bytes, 64);
+    bytes = scales + static_cast<size_t>(rows) * scale_bytes;
+  }
+};
+
+// Posts msg (its metadata filled) to rank dest; it completes in the background.
+void post_message(Buffer::Impl& m, const char* fn, int tag, int dest, std::unique_ptr<MessageBuffer> msg) {
+  if (msg->size() > static_cast<size_t>(INT_MAX))
+    fail(fn, "num_max_dispatch_tokens_per_rank", "messages of at most 2 GiB per rank pair", std::to_string(msg->size()) + " bytes");
+  MPI_Request req = MPI_REQUEST_NULL;
+  MPI_Isend(msg->data(), static_cast<int>(msg->size()), MPI_BYTE, dest, tag, m.comm, &req);
+  m.keep_in_flight(req, std::move(msg));
+}
+
+// One call's messages from the ranks of other nodes, received as they come. Whatever is
+// still being received when the call gives up is left to MPI (Impl::keep_in_flight).
+class Inbox {
+ public:
+  Inbox(Buffer::Impl& m, int tag, uint64_t call) : m_(m), tag_(tag), call_(call), msgs_(static_cast<size_t>(m.num_ranks)),
+                                                     reqs_(static_cast<size_t>(m.num_ranks), MPI_REQUEST_NULL),
+                                                     done_(static_cast<size_t>(m.num_ranks), 0) {}
+  Inbox(const Inbox&) = delete;
+  Inbox& operator=(const Inbox&) = delete;
+  ~Inbox() {
+    for (size_t g = 0; g < msgs_.size(); ++g) {
+      if (reqs_[g] != MPI_REQUEST_NULL) {
+        m_.keep_in_flight(reqs_[g], std::move(msgs_[g]));
+      } else {
+        m_.recycle(std::move(msgs_[g]));
+      }
+    }
+  }
+
+  // One non-blocking step for rank g; true once its message for this call is in.
+  bool poll(const char* fn, int g) {
+    const auto i = static_cast<size_t>(g);
+    while (!done_[i]) {
+      if (reqs_[i] == MPI_REQUEST_NULL) {
+        int found = 0;
+        MPI_Message probe;
+        MPI_Status status;
+        MPI_Improbe(g, tag_, m_.comm, &found, &probe, &status);
+        if (!found) return false;
+        int bytes = 0;
+        MPI_Get_count(&status, MPI_BYTE, &bytes);
+        if (!msgs_[i]) msgs_[i] = m_.message_buffer(0);
+        msgs_[i]->resize(static_cast<size_t>(bytes));
+        MPI_Imrecv(msgs_[i]->data(), bytes, MPI_BYTE, &probe, &reqs_[i]);
+      }
+      int finished = 0;
+      MPI_Test(&reqs_[i], &finished, MPI_STATUS_IGNORE);
+      if (!finished) return false;
+      if (msgs_[i]->size() < kMetaCount * 8)
+        fail(fn, "rank " + std::to_string(g), "a low-latency message", std::to_string(msgs_[i]->size()) + " bytes");
+      const uint64_t call = meta(g)[kLLCall];
+      if (call > call_)
+        fail(fn, "rank " + std::to_string(g), "low-latency calls in the same order on every rank",
+             "its call " + std::to_string(call) + " while this rank is at call " + std::to_string(call_));
+      done_[i] = call == call_;  // an older one is a leftover of a failed call here: dropped
+    }
+    return true;
+  }
+  const uint64_t* meta(int g) const { return reinterpret_cast<const uint64_t*>(msgs_[static_cast<size_t>(g)]->data()); }
+  const char* data(int g) const { return msgs_[static_cast<size_t>(g)]->data(); }
+  size_t size(int g) const { return msgs_[static_cast<size_t>(g)]->size(); }
+
+ private:
+  Buffer::Impl& m_;
+  int tag_;
+  uint64_t call_;
+  std::vector<std::unique_ptr<MessageBuffer>> msgs_;  // by global rank
+  std::vector<MPI_Request> reqs_;
+  std::vector<char> done_;
+};
+
+// Until every unmasked rank of this node passes ready(local rank) and every unmasked rank of
+// another node has sent its message for this call; TimeoutError naming all the others. Waits
+// keep MPI progressing (this rank's own messages in flight too).
+template <class Ready>
+void wait_sources(Buffer::Impl& m, const char* fn, Ready&& ready, Inbox& in) {
+  const bool remote = m.num_nodes() > 1;
+  auto missing = [&](int g) {
+    if (m.masked[static_cast<size_t>(g)]) return false;
+    return m.on_node(g) ? !ready(m.local_of(g)) : !in.poll(fn, g);
+  };
+  const auto start = std::chrono::steady_clock::now();
+  for (uint64_t iter = 0;; ++iter) {
+    bool all = true;
+    for (int g = 0; g < m.num_ranks; ++g) all = !missing(g) && all;  // polls every rank
+    if (all) return;
+    if (remote) m.sweep_in_flight();
+    if (iter < 1024) {
+      _mm_pause();
+      continue;
+    }
+    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (waited > m.timeout) {
+      std::vector<int> silent;
+      for (int g = 0; g < m.num_ranks; ++g)
+        if (missing(g)) silent.push_back(g);
+      if (silent.empty()) return;
+      throw TimeoutError(fn, silent, m.timeout);
+    }
+    // MPI (TCP especially) progresses only inside MPI calls: never sleep while a message is due.
+    if (remote || waited < 0.01) {
+      sched_yield();
+    } else {
+      ::usleep(50);
+    }
+  }
+}
+
+// The metadata rank g published (same node) or sent (other node) for this call.
+const uint64_t* source_meta(const Buffer::Impl& m, const Inbox& in, int g, int half) {
+  return m.on_node(g) ? m.ll_meta(m.local_of(g), half) : in.meta(g);
+}
+
+// After wait_sources: a rank that rejected its arguments makes every rank raise.
+void check_source_errors(const Buffer::Impl& m, const char* fn, const Inbox& in, int half) {
+  for (int g = 0; g < m.num_ranks; ++g)
+    if (!m.masked[static_cast<size_t>(g)] && g != m.rank && source_meta(m, in, g, half)[kLLError] != 0)
+      fail(fn, "rank " + std::to_string(g), "valid arguments on every rank",
+           "rank " + std::to_string(g) + " rejected its arguments (see its error)");
+}
+
+// The metadata-only message that tells the ranks of other nodes this rank gave up a call.
+void post_error_messages(Buffer::Impl& m, const char* fn, int tag, uint64_t call) {
+  for (int g = 0; g < m.num_ranks; ++g) {
+    if (m.on_node(g) || m.masked[static_cast<size_t>(g)]) continue;
+    auto msg = m.message_buffer(kMetaCount * 8);
+    auto* meta = reinterpret_cast<uint64_t*>(msg->data());
+    std::fill_n(meta, kMetaCount, 0);
+    meta[kLLError] = 1;
+    meta[kLLCall] = call;
+    post_message(m, fn, tag, g, std::move(msg));
+  }
+}
 
 struct LLHandleState {
   uint64_t buffer_id = 0, call = 0;
@@ -86,6 +249,157 @@ struct LLHook {
   std::function<void()> body;
   bool done = false;
 };
+
+// The tokens (ascending) with at least one top-k entry among experts [first, first + n).
+std::vector<int32_t> tokens_for_experts(const int32_t* topk, int64_t tokens, int64_t k, int64_t first, int64_t n) {
+  std::vector<int32_t> out;
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t e = topk[t * k + j] - first;
+      if (e >= 0 && e < n) {
+        out.push_back(static_cast<int32_t>(t));
+        break;
+      }
+    }
+  return out;
+}
+
+
+// One sender's tokens as a receiver sees them: the sender's shared send half (same node), or
+// the message it sent (other node: only the tokens that chose the receiver's experts, in order).
+struct Source {
+  int64_t tokens = 0, k = 0;
+  const int32_t* topk = nullptr;
+  const char* x = nullptr;
+  const char* scales = nullptr;
+  std::vector<int32_t> rows;  // other node: token -> row of the message (-1: not sent)
+  int64_t row(int64_t t) const { return rows.empty() ? t : rows[static_cast<size_t>(t)]; }
+};
+
+Source source_view(const Buffer::Impl& m, const Inbox& in, int g, int half, const LLLayout& L, size_t row_bytes,
+                   size_t sc_bytes) {
+  constexpr const char* fn = kLLDispatch;
+  const uint64_t* meta = source_meta(m, in, g, half);
+  Source s;
+  s.tokens = static_cast<int64_t>(meta[kLLTokens]);
+  s.k = static_cast<int64_t>(meta[kLLTopk]);
+  if (m.on_node(g)) {
+    const char* theirs = m.peers[static_cast<size_t>(m.local_of(g))].low_latency->data() + static_cast<size_t>(half) * m.ll_half_stride();
+    s.topk = reinterpret_cast<const int32_t*>(theirs + L.send_topk);
+    s.x = theirs + L.send_x;
+    s.scales = theirs + L.send_scales;
+    return s;
+  }
+  const std::string who = "rank " + std::to_string(g);
+  if (s.tokens > L.max_tokens || s.k > kMaxTopk)
+    fail(fn, who, "at most " + std::to_string(L.max_tokens) + " tokens of top-" + std::to_string(kMaxTopk),
+         std::to_string(s.tokens) + " tokens of top-" + std::to_string(s.k));
+  const LLMessage layout(s.tokens, s.k, static_cast<int64_t>(meta[kLLRows]), row_bytes, sc_bytes);
+  if (in.size(g) != layout.bytes)
+    fail(fn, who, "a dispatch message of " + std::to_string(layout.bytes) + " bytes", std::to_string(in.size(g)) + " bytes");
+  const char* data = in.data(g);
+  s.topk = reinterpret_cast<const int32_t*>(data + layout.topk);
+  s.x = data + layout.x;
+  s.scales = data + layout.scales;
+  const auto sent = tokens_for_experts(s.topk, s.tokens, s.k, m.rank * L.local_experts, L.local_experts);
+  if (sent.size() != meta[kLLRows])
+    fail(fn, who, std::to_string(sent.size()) + " rows for this rank's experts", std::to_string(meta[kLLRows]) + " rows");
+  s.rows.assign(static_cast<size_t>(s.tokens), -1);
+  for (size_t i = 0; i < sent.size(); ++i) s.rows[static_cast<size_t>(sent[i])] = static_cast<int32_t>(i);
+  return s;
+}
+
+// To every unmasked rank of another node: the metadata, all top-k ids, and the rows (with
+// their scales) of the tokens that chose that rank's experts.
+void post_dispatch_messages(Buffer::Impl& m, const char* own, const LLLayout& L, const uint64_t* meta, uint64_t call,
+                            size_t row_bytes, size_t sc_bytes) {
+  const auto T = static_cast<int64_t>(meta[kLLTokens]), k = static_cast<int64_t>(meta[kLLTopk]);
+  const auto* topk = reinterpret_cast<const int32_t*>(own + L.send_topk);
+  for (int g = 0; g < m.num_ranks; ++g) {
+    if (m.on_node(g) || m.masked[static_cast<size_t>(g)]) continue;
+    const auto sent = tokens_for_experts(topk, T, k, g * L.local_experts, L.local_experts);
+    const auto rows = static_cast<int64_t>(sent.size());
+    const LLMessage layout(T, k, rows, row_bytes, sc_bytes);
+    auto msg = m.message_buffer(layout.bytes);
+    char* p = msg->data();
+    auto* head = reinterpret_cast<uint64_t*>(p);
+    std::copy_n(meta, kMetaCount, head);
+    head[kLLCall] = call;
+    head[kLLRows] = static_cast<uint64_t>(rows);
+    std::memcpy(p + layout.topk, topk, static_cast<size_t>(T * k) * 4);
+    for (int64_t i = 0; i < rows; ++i) {
+      const auto t = static_cast<size_t>(sent[static_cast<size_t>(i)]);
+      std::memcpy(p + layout.x + static_cast<size_t>(i) * row_bytes, own + L.send_x + t * row_bytes, row_bytes);
+      if (sc_bytes) std::memcpy(p + layout.scales + static_cast<size_t>(i) * sc_bytes, own + L.send_scales + t * sc_bytes, sc_bytes);
+    }
+    post_message(m, kLLDispatch, kTagLLDispatch, g, std::move(msg));
+  }
+}
+
+// True when top-k entry j of token t repeats an earlier one (sent, and counted, once).
+bool is_repeat(const Tensor& topk_idx, int64_t t, int64_t j) {
+  const int64_t* row = topk_idx.data_ptr<int64_t>() + t * topk_idx.stride(0);
+  for (int64_t q = 0; q < j; ++q)
+    if (row[q] == row[j]) return true;
+  return false;
+}
+
+// To every unmasked rank of another node: its rows of every local expert, expert by expert
+// (the ranges dispatch recorded), from x wherever it lives.
+void post_combine_messages(Buffer::Impl& m, const LLHandleState& st, const Tensor& x, uint64_t call) {
+  const LLLayout& L = st.layout;
+  const int R = m.num_ranks;
+  const size_t row_bytes = static_cast<size_t>(L.hidden) * 2;
+  const char* own = m.peers[static_cast<size_t>(m.local_rank)].low_latency->data() + static_cast<size_t>(st.half) * m.ll_half_stride();
+  const auto* range = reinterpret_cast<const int64_t*>(own + L.layout_range);
+  for (int g = 0; g < R; ++g) {
+    if (m.on_node(g) || m.masked[static_cast<size_t>(g)]) continue;
+    int64_t rows = 0;
+    for (int64_t e = 0; e < L.local_experts; ++e) rows += range[e * R + g] & 0xffffffff;
+    const LLMessage layout(0, 0, rows, row_bytes, 0);
+    auto msg = m.message_buffer(layout.bytes);
+    auto* head = reinterpret_cast<uint64_t*>(msg->data());
+    std::fill_n(head, kMetaCount, 0);
+    head[kLLHidden] = static_cast<uint64_t>(L.hidden);
+    head[kLLCall] = call;
+    head[kLLRows] = static_cast<uint64_t>(rows);
+    char* out = msg->data() + layout.x;
+    for (int64_t e = 0; e < L.local_experts; ++e) {
+      const int64_t begin = range[e * R + g] >> 32, n = range[e * R + g] & 0xffffffff;
+      for (int64_t r = 0; r < n; ++r, out += row_bytes)
+        std::memcpy(out, static_cast<const char*>(x.data()) + static_cast<size_t>(e * x.stride(0) + (begin + r) * x.stride(1)) * 2, row_bytes);
+    }
+    post_message(m, kLLCombine, kTagLLCombine, g, std::move(msg));
+  }
+}
+
+// Per global expert on another node: the row of its message where this rank's rows of that
+// expert begin (the rows come expert by expert, in token order). Checks each message holds
+// exactly the rows this rank's top-k ids ask for.
+std::vector<int64_t> message_rows(const Buffer::Impl& m, const Inbox& in, const Tensor& topk_idx, int64_t T, int64_t k,
+                                  int64_t local_E, size_t row_bytes) {
+  const int R = m.num_ranks;
+  std::vector<int64_t> first(static_cast<size_t>(local_E * R), 0);
+  if (m.num_nodes() == 1) return first;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t e = topk_idx.data_ptr<int64_t>()[t * topk_idx.stride(0) + j];
+      if (e >= 0 && !is_repeat(topk_idx, t, j)) ++first[static_cast<size_t>(e)];
+    }
+  for (int d = 0; d < R; ++d) {
+    int64_t at = 0;
+    for (int64_t el = 0; el < local_E; ++el) {
+      const int64_t n = first[static_cast<size_t>(d * local_E + el)];
+      first[static_cast<size_t>(d * local_E + el)] = at;
+      at += n;
+    }
+    if (m.on_node(d) || m.masked[static_cast<size_t>(d)]) continue;
+    if (in.meta(d)[kLLRows] != static_cast<uint64_t>(at) || in.size(d) != LLMessage(0, 0, at, row_bytes, 0).bytes)
+      fail(kLLCombine, "rank " + std::to_string(d), std::to_string(at) + " rows for this rank's tokens (its dispatch layout)",
+           std::to_string(in.meta(d)[kLLRows]) + " rows (a low-latency result at most two dispatches old?)");
+  }
+  return first;
+}
 
 }  // namespace
 
@@ -116,31 +430,26 @@ Tensor Buffer::low_latency_query_mask_buffer() const {
 
 void Buffer::low_latency_clean_mask_buffer() { std::fill(impl_->masked.begin(), impl_->masked.end(), 0); }
 
-// A rank that rejects its arguments still takes part in the call's flags (marked as an
-// error), so its peers raise an Error naming it instead of waiting for the timeout.
+// A rank that rejects its arguments still takes part in the call's flags and messages
+// (marked as an error), so its peers raise an Error naming it instead of waiting for the timeout.
 void ll_abandon(Buffer::Impl& m, uint64_t call, bool dispatch) {
-  const int half = static_cast<int>(call & 1);
+  const char* fn = dispatch ? kLLDispatch : kLLCombine;
+  const int half = static_cast<int>(call & 1), lr = m.local_rank;
   // As a real call would: the half's metadata is rewritten only after its last readers left.
   if (call > 2)
-    m.wait_unmasked(dispatch ? kLLDispatch : kLLCombine, [&](int s) {
-      return (dispatch ? m.ll_gathered(m.rank, s) : m.ll_read(m.rank, s)).load(std::memory_order_acquire) >= call - 2;
+    m.wait_unmasked(fn, [&](int p) {
+      return (dispatch ? m.ll_gathered(lr, p) : m.ll_read(lr, p)).load(std::memory_order_acquire) >= call - 2;
     });
-  m.ll_meta(m.rank, half)[kLLError] = 1;
-  for (int p = 0; p < m.num_ranks; ++p) {
+  m.ll_meta(lr, half)[kLLError] = 1;
+  for (int p = 0; p < m.ranks_per_node; ++p) {
     if (dispatch) {
-      m.ll_gathered(p, m.rank).store(call, std::memory_order_release);
+      m.ll_gathered(p, lr).store(call, std::memory_order_release);
     } else {
-      m.ll_read(p, m.rank).store(call, std::memory_order_release);
+      m.ll_read(p, lr).store(call, std::memory_order_release);
     }
   }
-  (dispatch ? m.ll_sent(m.rank) : m.ll_offered(m.rank)).store(call, std::memory_order_release);
-}
-
-void ll_check_peer_errors(const Buffer::Impl& m, const char* fn, int half) {
-  for (int p = 0; p < m.num_ranks; ++p)
-    if (!m.masked[static_cast<size_t>(p)] && p != m.rank && m.ll_meta(p, half)[kLLError] != 0)
-      fail(fn, "rank " + std::to_string(p), "valid arguments on every rank",
-           "rank " + std::to_string(p) + " rejected its arguments (see its error)");
+  (dispatch ? m.ll_sent(lr) : m.ll_offered(lr)).store(call, std::memory_order_release);
+  post_error_messages(m, fn, dispatch ? kTagLLDispatch : kTagLLCombine, call);
 }
 
 // The entry of both low-latency operations: buffer checks, then the call; a rank that
@@ -149,10 +458,8 @@ void ll_check_peer_errors(const Buffer::Impl& m, const char* fn, int half) {
 template <class Body>
 auto ll_call(Buffer::Impl& m, const char* fn, uint64_t& calls, bool dispatch, Body&& body) {
   if (!m.available) fail(fn, "buffer", "a live buffer", "a destroyed buffer");
-  if (m.num_nodes() > 1)
-    fail(fn, "buffer", "ranks on one node (low-latency mode across nodes is not implemented yet)",
-         std::to_string(m.num_nodes()) + " nodes");
   if (m.pending.valid()) m.pending.wait();
+  m.sweep_in_flight();
   const uint64_t before = calls;
   try {
     return body();
@@ -162,6 +469,12 @@ auto ll_call(Buffer::Impl& m, const char* fn, uint64_t& calls, bool dispatch, Bo
     if (calls == before) ll_abandon(m, ++calls, dispatch);
     throw;
   }
+}
+
+// Receive steps that call MPI run on the async thread only under MPI_THREAD_MULTIPLE;
+// otherwise they complete in the call (the event is then already done).
+bool ll_async(const Buffer::Impl& m, bool requested) {
+  return requested && (m.num_nodes() == 1 || Buffer::Impl::can_run_mpi_async());
 }
 
 LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchArgs& a) {
@@ -207,9 +520,9 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch_checked(const LowLatencyDi
 
   // Send: wait until every reader of this half (two calls ago) is done, then fill it.
   const uint64_t call = ++m.ll_dispatches;
-  const int half = static_cast<int>(call & 1);
-  if (call > 2) m.wait_unmasked(fn, [&](int s) { return m.ll_gathered(me, s).load(std::memory_order_acquire) >= call - 2; });
-  char* own = m.peers[static_cast<size_t>(me)].low_latency->data() + static_cast<size_t>(half) * m.ll_half_stride();
+  const int half = static_cast<int>(call & 1), lr = m.local_rank;
+  if (call > 2) m.wait_unmasked(fn, [&](int p) { return m.ll_gathered(lr, p).load(std::memory_order_acquire) >= call - 2; });
+  char* own = m.peers[static_cast<size_t>(lr)].low_latency->data() + static_cast<size_t>(half) * m.ll_half_stride();
   const int fp8_mode = !a.use_fp8 ? 0 : a.use_ue8m0 ? 2 : 1;
   if (fp8_mode) {
     per_token_cast_to_fp8_into(a.x, Tensor::from_blob(own + L.send_x, {T, H}, DType::e4m3),
@@ -221,7 +534,7 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch_checked(const LowLatencyDi
   auto* send_topk = reinterpret_cast<int32_t*>(own + L.send_topk);
   for (int64_t t = 0; t < T; ++t)
     for (int64_t j = 0; j < k; ++j) send_topk[t * k + j] = static_cast<int32_t>(a.topk_idx.data_ptr<int64_t>()[t * a.topk_idx.stride(0) + j]);
-  uint64_t* meta = m.ll_meta(me, half);
+  uint64_t* meta = m.ll_meta(lr, half);
   meta[kLLTokens] = static_cast<uint64_t>(T);
   meta[kLLTopk] = static_cast<uint64_t>(k);
   meta[kLLHidden] = static_cast<uint64_t>(H);
@@ -229,7 +542,9 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch_checked(const LowLatencyDi
   meta[kLLMax] = static_cast<uint64_t>(a.num_max_dispatch_tokens_per_rank);
   meta[kLLFp8] = static_cast<uint64_t>(fp8_mode);
   meta[kLLError] = 0;
-  m.ll_sent(me).store(call, std::memory_order_release);
+  m.ll_sent(lr).store(call, std::memory_order_release);
+  const size_t row_bytes = static_cast<size_t>(H) * (fp8_mode ? 1 : 2), sc_bytes = fp8_mode ? static_cast<size_t>(L.scale_cols) * 4 : 0;
+  if (m.num_nodes() > 1) post_dispatch_messages(m, own, L, meta, call, row_bytes, sc_bytes);
 
   // The results: views of this rank's half.
   auto state = std::make_shared<LLHandleState>();
@@ -242,7 +557,7 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch_checked(const LowLatencyDi
   state->topk = k;
   state->layout = L;
   state->recv_count.assign(static_cast<size_t>(local_E), 0);
-  auto seg = m.peers[static_cast<size_t>(me)].low_latency;
+  auto seg = m.peers[static_cast<size_t>(lr)].low_latency;
   LowLatencyDispatchResult out;
   const int64_t slots = L.slots;
   out.recv_x = Tensor::from_blob_with_owner(own + L.recv_x, {local_E, slots, H}, fp8_mode ? DType::e4m3 : DType::bf16, seg);
@@ -260,45 +575,40 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch_checked(const LowLatencyDi
 
   // Receive: gather every unmasked sender's tokens for this rank's experts.
   Tensor stats = a.cumulative_local_expert_recv_stats;
-  auto receive = [&m, state, own, stats, fn, call, half, fp8_mode] {
-    const int R = m.num_ranks, me = m.rank;
+  auto receive = [&m, state, own, stats, fn, call, half, fp8_mode, row_bytes, sc_bytes] {
+    const int R = m.num_ranks, me = m.rank, lr = m.local_rank;
     const LLLayout& L = state->layout;
-    const int64_t local_E = L.local_experts, H = L.hidden;
-    std::string error;
+    const int64_t local_E = L.local_experts, first_expert = me * local_E;
+    Inbox in(m, kTagLLDispatch, call);
     try {
-      m.wait_unmasked(fn, [&](int s) { return m.ll_sent(s).load(std::memory_order_acquire) >= call; });
-      ll_check_peer_errors(m, fn, half);
-      for (int s = 0; s < R; ++s) {
-        if (m.masked[static_cast<size_t>(s)]) continue;
-        const uint64_t* sm = m.ll_meta(s, half);
-        const uint64_t* mine = m.ll_meta(me, half);
+      wait_sources(m, fn, [&](int p) { return m.ll_sent(p).load(std::memory_order_acquire) >= call; }, in);
+      check_source_errors(m, fn, in, half);
+      const uint64_t* mine = m.ll_meta(lr, half);
+      for (int g = 0; g < R; ++g) {
+        if (m.masked[static_cast<size_t>(g)]) continue;
+        const uint64_t* sm = source_meta(m, in, g, half);
         for (LLMeta f : {kLLHidden, kLLExperts, kLLMax, kLLFp8})
           if (sm[f] != mine[f])
-            fail(fn, "rank " + std::to_string(s), "the same hidden size, experts, token limit and format on every rank",
-                 "a different value on rank " + std::to_string(s));
+            fail(fn, "rank " + std::to_string(g), "the same hidden size, experts, token limit and format on every rank",
+                 "a different value on rank " + std::to_string(g));
       }
     } catch (...) {
       // Release every sender's half anyway so no peer waits for this rank later.
-      for (int s = 0; s < R; ++s) m.ll_gathered(s, me).store(call, std::memory_order_release);
+      for (int p = 0; p < m.ranks_per_node; ++p) m.ll_gathered(p, lr).store(call, std::memory_order_release);
       throw;
     }
     auto* src_info = reinterpret_cast<int32_t*>(own + L.src_info);
     auto* range = reinterpret_cast<int64_t*>(own + L.layout_range);
     auto* count = reinterpret_cast<int32_t*>(own + L.recv_count);
-    const size_t row_bytes = static_cast<size_t>(H) * (fp8_mode ? 1 : 2), sc_bytes = static_cast<size_t>(L.scale_cols) * 4;
     const int64_t packed_cols = ceil_div(L.scale_cols, 4);
     std::fill_n(count, local_E, 0);
     for (int s = 0; s < R; ++s) {
-      const int64_t first_expert = me * local_E;
       std::vector<std::vector<int32_t>> chosen(static_cast<size_t>(local_E));
       if (!m.masked[static_cast<size_t>(s)]) {
-        const char* theirs = m.peers[static_cast<size_t>(s)].low_latency->data() + static_cast<size_t>(half) * m.ll_half_stride();
-        const uint64_t* sm = m.ll_meta(s, half);
-        const auto T = static_cast<int64_t>(sm[kLLTokens]), k = static_cast<int64_t>(sm[kLLTopk]);
-        const auto* topk = reinterpret_cast<const int32_t*>(theirs + L.send_topk);
-        for (int64_t t = 0; t < T; ++t)
-          for (int64_t j = 0; j < k; ++j) {
-            const int64_t e = topk[t * k + j] - first_expert;
+        const Source src = source_view(m, in, s, half, L, row_bytes, sc_bytes);
+        for (int64_t t = 0; t < src.tokens; ++t)
+          for (int64_t j = 0; j < src.k; ++j) {
+            const int64_t e = src.topk[t * src.k + j] - first_expert;
             if (e < 0 || e >= local_E) continue;
             auto& list = chosen[static_cast<size_t>(e)];
             if (list.empty() || list.back() != t) list.push_back(static_cast<int32_t>(t));  // once per (token, expert)
@@ -306,12 +616,12 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch_checked(const LowLatencyDi
         for (int64_t e = 0; e < local_E; ++e) {
           const auto& list = chosen[static_cast<size_t>(e)];
           for (size_t i = 0; i < list.size(); ++i) {
-            const int64_t row = e * L.slots + count[e] + static_cast<int64_t>(i), t = list[i];
-            detail::copy_stream(own + L.recv_x + static_cast<size_t>(row) * row_bytes, theirs + L.send_x + static_cast<size_t>(t) * row_bytes, row_bytes);
+            const int64_t row = e * L.slots + count[e] + static_cast<int64_t>(i), t = list[i], from = src.row(t);
+            detail::copy_stream(own + L.recv_x + static_cast<size_t>(row) * row_bytes, src.x + static_cast<size_t>(from) * row_bytes, row_bytes);
             if (fp8_mode == 1) {
-              std::memcpy(own + L.recv_scales + static_cast<size_t>(row) * sc_bytes, theirs + L.send_scales + static_cast<size_t>(t) * sc_bytes, sc_bytes);
+              std::memcpy(own + L.recv_scales + static_cast<size_t>(row) * sc_bytes, src.scales + static_cast<size_t>(from) * sc_bytes, sc_bytes);
             } else if (fp8_mode == 2) {
-              const auto* sf = reinterpret_cast<const float*>(theirs + L.send_scales + static_cast<size_t>(t) * sc_bytes);
+              const auto* sf = reinterpret_cast<const float*>(src.scales + static_cast<size_t>(from) * sc_bytes);
               auto* packed = reinterpret_cast<int32_t*>(own + L.recv_scales) + row * packed_cols;
               for (int64_t c = 0; c < packed_cols; ++c) {
                 uint32_t word = 0;
@@ -329,7 +639,7 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch_checked(const LowLatencyDi
         range[e * R + s] = (static_cast<int64_t>(count[e]) << 32) | n;
         count[e] += static_cast<int32_t>(n);
       }
-      if (!m.masked[static_cast<size_t>(s)]) m.ll_gathered(s, me).store(call, std::memory_order_release);
+      if (!m.masked[static_cast<size_t>(s)] && m.on_node(s)) m.ll_gathered(m.local_of(s), lr).store(call, std::memory_order_release);
     }
     detail::stream_fence();  // the rows were streamed; whoever waits on this receive reads them
     std::copy_n(count, local_E, state->recv_count.begin());
@@ -345,7 +655,7 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch_checked(const LowLatencyDi
       hook->body();
     };
   } else {
-    out.event = m.run(a.async_finish, std::move(receive));
+    out.event = m.run(ll_async(m, a.async_finish), std::move(receive));
   }
   return out;
 }
@@ -357,7 +667,7 @@ Tensor Buffer::get_next_low_latency_combine_buffer(const LowLatencyHandle& handl
   const auto& st = *static_cast<const LLHandleState*>(handle.internal.get());
   if (st.buffer_id != m.id) fail(fn, "handle", "a handle from this buffer", "a handle from another buffer");
   const int half = static_cast<int>((m.ll_combines + 1) & 1);
-  auto seg = m.peers[static_cast<size_t>(m.rank)].low_latency;
+  auto seg = m.peers[static_cast<size_t>(m.local_rank)].low_latency;
   char* base = seg->data() + static_cast<size_t>(half) * m.ll_half_stride() + st.layout.combine_x;
   return Tensor::from_blob_with_owner(base, {st.layout.local_experts, st.layout.slots, st.layout.hidden}, DType::bf16, seg);
 }
@@ -373,7 +683,6 @@ LowLatencyCombineResult Buffer::low_latency_combine_checked(const LowLatencyComb
   auto state = std::static_pointer_cast<const LLHandleState>(a.handle.internal);
   if (state->buffer_id != m.id) fail(fn, "handle", "a handle from this buffer", "a handle from another buffer");
   const LLLayout& L = state->layout;
-  const int me = m.rank;
   const int64_t T = state->tokens, H = L.hidden, local_E = L.local_experts;
   if (!a.x.defined() || a.x.dtype() != DType::bf16 || a.x.dim() != 3 || !a.x.device().is_cpu())
     fail(fn, "x", "bf16 [" + std::to_string(local_E) + ", " + std::to_string(L.slots) + ", " + std::to_string(H) + "] on cpu",
@@ -391,13 +700,13 @@ LowLatencyCombineResult Buffer::low_latency_combine_checked(const LowLatencyComb
   if (a.async_finish && a.return_recv_hook) fail(fn, "async_finish", "not together with return_recv_hook", "both set");
 
   const uint64_t call = ++m.ll_combines;
-  const int half = static_cast<int>(call & 1);
-  if (call > 2) m.wait_unmasked(fn, [&](int s) { return m.ll_read(me, s).load(std::memory_order_acquire) >= call - 2; });
-  auto seg = m.peers[static_cast<size_t>(me)].low_latency;
+  const int half = static_cast<int>(call & 1), lr = m.local_rank;
+  if (call > 2) m.wait_unmasked(fn, [&](int p) { return m.ll_read(lr, p).load(std::memory_order_acquire) >= call - 2; });
+  auto seg = m.peers[static_cast<size_t>(lr)].low_latency;
   char* own = seg->data() + static_cast<size_t>(half) * m.ll_half_stride();
 
   // Offer x: in place when it already is in shared memory, else its valid rows copied here.
-  uint64_t* meta = m.ll_meta(me, half);
+  uint64_t* meta = m.ll_meta(lr, half);
   const size_t row_bytes = static_cast<size_t>(H) * 2;
   const auto xs_e = static_cast<size_t>(a.x.stride(0)) * 2, xs_r = static_cast<size_t>(a.x.stride(1)) * 2;
   const size_t span = static_cast<size_t>(local_E - 1) * xs_e + static_cast<size_t>(L.slots - 1) * xs_r + row_bytes;
@@ -430,27 +739,40 @@ LowLatencyCombineResult Buffer::low_latency_combine_checked(const LowLatencyComb
   meta[kLLDispatchHalf] = static_cast<uint64_t>(state->half);
   meta[kLLError] = 0;
   detail::stream_fence();
-  m.ll_offered(me).store(call, std::memory_order_release);
+  m.ll_offered(lr).store(call, std::memory_order_release);
+  if (m.num_nodes() > 1) post_combine_messages(m, *state, a.x, call);
 
   LowLatencyCombineResult out;
   out.combined_x = a.out.defined() ? a.out : Tensor::from_blob_with_owner(own + L.combine_out, {T, H}, DType::bf16, seg);
   Tensor result = out.combined_x, topk_idx = a.topk_idx, weights = a.topk_weights;
   auto receive = [&m, state, result, topk_idx, weights, fn, call, half] {
-    const int R = m.num_ranks, me = m.rank;
+    const int R = m.num_ranks, me = m.rank, lr = m.local_rank;
     const LLLayout& L = state->layout;
     const int64_t T = state->tokens, k = state->topk, H = L.hidden, local_E = L.local_experts;
+    const size_t row_bytes = static_cast<size_t>(H) * 2;
+    Inbox in(m, kTagLLCombine, call);
+    auto release_readers = [&] {
+      for (int p = 0; p < m.ranks_per_node; ++p) m.ll_read(p, lr).store(call, std::memory_order_release);
+    };
     try {
-      m.wait_unmasked(fn, [&](int d) { return m.ll_offered(d).load(std::memory_order_acquire) >= call; });
-      ll_check_peer_errors(m, fn, half);
-      // Where each expert rank's rows are, and where this rank's rows begin in each expert.
+      wait_sources(m, fn, [&](int p) { return m.ll_offered(p).load(std::memory_order_acquire) >= call; }, in);
+      check_source_errors(m, fn, in, half);
+      // Where each expert rank's rows are: same node, its offer (and, below, where this rank's
+      // rows begin in each expert, from its layout_range); other node, its message, which holds
+      // this rank's rows expert by expert.
       std::vector<const char*> base(static_cast<size_t>(R), nullptr);
       std::vector<size_t> stride_e(static_cast<size_t>(R)), stride_r(static_cast<size_t>(R));
+      const std::vector<int64_t> first_row = message_rows(m, in, topk_idx, T, k, local_E, row_bytes);
       for (int d = 0; d < R; ++d) {
         if (m.masked[static_cast<size_t>(d)]) continue;
-        const uint64_t* dm = m.ll_meta(d, half);
+        const uint64_t* dm = source_meta(m, in, d, half);
         if (dm[kLLHidden] != static_cast<uint64_t>(H))
           fail(fn, "x", "the same hidden size on every rank", std::to_string(dm[kLLHidden]) + " on rank " + std::to_string(d));
-        const auto& peer = m.peers[static_cast<size_t>(d)];
+        if (!m.on_node(d)) {
+          base[static_cast<size_t>(d)] = in.data(d) + LLMessage(0, 0, 0, 0, 0).x;
+          continue;
+        }
+        const auto& peer = m.peers[static_cast<size_t>(m.local_of(d))];
         base[static_cast<size_t>(d)] = dm[kLLXWhere] == 1 ? peer.low_latency->data() + dm[kLLXOff]
                                                             : peer.segments[static_cast<size_t>(dm[kLLXSeg])]->data() + dm[kLLXOff];
         stride_e[static_cast<size_t>(d)] = dm[kLLXStrideE];
@@ -463,25 +785,28 @@ LowLatencyCombineResult Buffer::low_latency_combine_checked(const LowLatencyComb
         int n = 0;
         for (int64_t j = 0; j < k; ++j) {
           const int64_t e = topk_idx.data_ptr<int64_t>()[t * topk_idx.stride(0) + j];
-          if (e < 0) continue;
-          bool repeat = false;  // a token that lists an expert twice was sent (and counts) once
-          for (int64_t q = 0; q < j; ++q) repeat |= topk_idx.data_ptr<int64_t>()[t * topk_idx.stride(0) + q] == e;
+          if (e < 0 || is_repeat(topk_idx, t, j)) continue;  // a repeated expert was sent (and counts) once
           const int d = static_cast<int>(e / local_E);
           const int64_t el = e % local_E;
-          int32_t& i = seen[static_cast<size_t>(e)];
-          if (repeat) continue;
-          const int32_t index = i++;
+          const int32_t index = seen[static_cast<size_t>(e)]++;
           if (m.masked[static_cast<size_t>(d)]) continue;
-          // begin of this rank's rows inside expert el on rank d: from d's layout_range.
-          const char* drange = m.peers[static_cast<size_t>(d)].low_latency->data() + static_cast<size_t>(state->half) * m.ll_half_stride() + L.layout_range;
-          const int64_t range = reinterpret_cast<const int64_t*>(drange)[el * R + me];
-          const int64_t begin = range >> 32;
-          // A result this old may have been overwritten (more than two live): refuse, never read out of bounds.
-          if (index >= (range & 0xffffffff) || begin + index >= L.slots)
-            fail(fn, "handle", "a low-latency result at most two dispatches old",
-                 "rank " + std::to_string(d) + "'s layout for expert " + std::to_string(e) + " no longer matches");
-          rows[static_cast<size_t>(n)] = reinterpret_cast<const uint16_t*>(base[static_cast<size_t>(d)] + static_cast<size_t>(el) * stride_e[static_cast<size_t>(d)] +
-                                                                           static_cast<size_t>(begin + index) * stride_r[static_cast<size_t>(d)]);
+          const char* row = nullptr;
+          if (m.on_node(d)) {
+            // begin of this rank's rows inside expert el on rank d: from d's layout_range.
+            const char* drange = m.peers[static_cast<size_t>(m.local_of(d))].low_latency->data() +
+                                 static_cast<size_t>(state->half) * m.ll_half_stride() + L.layout_range;
+            const int64_t range = reinterpret_cast<const int64_t*>(drange)[el * R + me];
+            const int64_t begin = range >> 32;
+            // A result this old may have been overwritten (more than two live): refuse, never read out of bounds.
+            if (index >= (range & 0xffffffff) || begin + index >= L.slots)
+              fail(fn, "handle", "a low-latency result at most two dispatches old",
+                   "rank " + std::to_string(d) + "'s layout for expert " + std::to_string(e) + " no longer matches");
+            row = base[static_cast<size_t>(d)] + static_cast<size_t>(el) * stride_e[static_cast<size_t>(d)] +
+                  static_cast<size_t>(begin + index) * stride_r[static_cast<size_t>(d)];
+          } else {
+            row = base[static_cast<size_t>(d)] + static_cast<size_t>(first_row[static_cast<size_t>(e)] + index) * row_bytes;
+          }
+          rows[static_cast<size_t>(n)] = reinterpret_cast<const uint16_t*>(row);
           w[static_cast<size_t>(n)] = weights.data_ptr<float>()[t * weights.stride(0) + j];
           ++n;
         }
@@ -489,12 +814,12 @@ LowLatencyCombineResult Buffer::low_latency_combine_checked(const LowLatencyComb
       }
     } catch (...) {
       // Whatever went wrong here, no expert rank may wait for this one to finish reading.
-      for (int d = 0; d < R; ++d) m.ll_read(d, me).store(call, std::memory_order_release);
+      release_readers();
       throw;
     }
-    for (int d = 0; d < R; ++d) m.ll_read(d, me).store(call, std::memory_order_release);
-    // x offered in place stays untouched until every owner has read it.
-    m.wait_unmasked(fn, [&](int s) { return m.ll_read(me, s).load(std::memory_order_acquire) >= call; });
+    release_readers();
+    // x offered in place stays untouched until every owner on this node has read it.
+    m.wait_unmasked(fn, [&](int p) { return m.ll_read(lr, p).load(std::memory_order_acquire) >= call; });
   };
   if (a.return_recv_hook) {
     auto hook = std::make_shared<LLHook>();
@@ -505,7 +830,7 @@ LowLatencyCombineResult Buffer::low_latency_combine_checked(const LowLatencyComb
       hook->body();
     };
   } else {
-    out.event = m.run(a.async_finish, std::move(receive));
+    out.event = m.run(ll_async(m, a.async_finish), std::move(receive));
   }
   return out;
 }
