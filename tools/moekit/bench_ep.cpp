@@ -185,6 +185,7 @@ void bench_low_latency(const BenchOptions& options, const World& w, Reporter& re
   const int repeats = options.quick ? 2 : std::max(options.repeats, 20);
   const int64_t local_experts = experts / w.size, slots = tokens * w.size;
   ep::Buffer buffer(MPI_COMM_WORLD, 16 << 20, ep::get_low_latency_rdma_size_hint(tokens, hidden, w.size, experts));
+  const int nodes = w.size / buffer.get_num_local_ranks();
   const Tensor x = random_bf16(tokens, hidden, 2000 + static_cast<uint64_t>(w.rank));
   const Tensor idx = random_topk(tokens, topk, experts, 99 + static_cast<uint64_t>(w.rank));
   Tensor weights = Tensor::empty({tokens, topk}, DType::f32);
@@ -232,12 +233,13 @@ void bench_low_latency(const BenchOptions& options, const World& w, Reporter& re
     Row r;
     r.kernel = kernel;
     r.dtype = dtype;
-    r.shape = fmt::format("R{} T{} H{} top{}/{}", w.size, tokens, hidden, topk, experts);
+    r.shape = nodes > 1 ? fmt::format("R{}={}x{} T{} H{} top{}/{}", w.size, nodes, w.size / nodes, tokens, hidden, topk, experts)
+                        : fmt::format("R{} T{} H{} top{}/{}", w.size, tokens, hidden, topk, experts);
     r.threads = num_threads();
     r.ceiling = "copy_bw";
     r.ceiling_value = ceiling;
     r.peer = "MPI_Alltoallv round trip";
-    r.sizes = {{"ranks", w.size}, {"tokens", tokens}, {"hidden", hidden}, {"topk", topk}, {"experts", experts}};
+    r.sizes = {{"ranks", w.size}, {"nodes", nodes}, {"tokens", tokens}, {"hidden", hidden}, {"topk", topk}, {"experts", experts}};
     return r;
   };
   ep::LowLatencyCombineResult combined;
@@ -448,15 +450,7 @@ void bench_ep(const BenchOptions& options) {
     }
   }
   buffer.destroy();
-  if (nodes == 1) {
-    bench_low_latency(options, w, report, ceiling);
-  } else if (print) {
-    if (options.json) {
-      fmt::print("{{\"note\":\"low-latency rows need one node (not implemented across nodes)\"}}\n");
-    } else {
-      fmt::print("(low-latency rows: one node only for now)\n");
-    }
-  }
+  bench_low_latency(options, w, report, ceiling);
   int finalized = 0;
   MPI_Finalized(&finalized);
   if (!initialised && !finalized) MPI_Finalize();
