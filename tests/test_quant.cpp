@@ -294,6 +294,44 @@ TEST(QuantHand, PerTokenFp4SmallRows) {
   });
 }
 
+// Quotients within a few ulps of e4m3 rounding boundaries under scales that are not powers
+// of two: fast paths that multiply by the reciprocal scale must still round x / sf exactly.
+TEST(QuantOracle, PerTokenFp8NearTiesWithArbitraryScales) {
+  const int64_t m = 64, k = 512;
+  Tensor x = Tensor::empty({m, k}, DType::f32);
+  std::mt19937_64 rng(77);
+  std::uniform_real_distribution<float> amax_dist(0.5f, 3.0f);
+  // Even groups: ties and values at or above the least normal only (a fast path may leave
+  // blocks with e4m3 subnormals to the division, so these blocks are the ones that test it).
+  // Odd groups add the subnormal ties and the least normal's lower neighbourhood.
+  std::vector<float> normal_range, all = kE4m3Midpoints;
+  for (float v : kE4m3Midpoints)
+    if (v >= 0.015625f) normal_range.push_back(v);
+  for (float v : {0.015625f, 448.0f, 416.0f}) normal_range.push_back(v), all.push_back(v);
+  for (float v : {0.0146484375f, 0.0151367188f}) all.push_back(v);
+  for (int64_t r = 0; r < m; ++r) {
+    float* row = x.data_ptr<float>() + r * k;
+    for (int64_t g = 0; g < k / 128; ++g) {
+      const float amax = amax_dist(rng) * std::ldexp(1.0f, static_cast<int>(rng() % 20) - 10);
+      const float sf = amax / 448.0f;
+      const std::vector<float>& boundaries = g % 2 ? all : normal_range;
+      for (int64_t c = 0; c < 128; ++c) {
+        const float t = boundaries[rng() % boundaries.size()];
+        const int32_t nudge = static_cast<int32_t>(rng() % 9) - 4;  // a few f32 steps either side
+        // Never above amax, which must stay the group's amax for sf to be the one above.
+        const float v = std::min(float_of(bits_of(t * sf) + static_cast<uint32_t>(nudge)), amax);
+        row[g * 128 + c] = c == 0 ? amax : (rng() & 1 ? -v : v);
+      }
+    }
+  }
+  const Quantized want = ref::per_token_cast_to_fp8(x, false);
+  for_each_isa([&](Isa) { EXPECT_TRUE(same_quantized(per_token_cast_to_fp8(x, false), want)); });
+  // The same values as columns: per-channel scales, one reciprocal per column.
+  const Tensor xt = x.transpose(0, 1).contiguous();
+  const Quantized want_t = ref::per_channel_cast_to_fp8(xt, false);
+  for_each_isa([&](Isa) { EXPECT_TRUE(same_quantized(per_channel_cast_to_fp8(xt, false), want_t)); });
+}
+
 TEST(QuantHand, SingleHugeValueRow) {
   // One 1e30 among N(0,1) values: sf = 1e30/448, the huge one maps to 448 and every other
   // value to a signed zero. With ue8m0, sf = 2^91 (2.23e27 rounded up) and 1e30/2^91 =

@@ -23,8 +23,11 @@ struct FormatKernels {
   // prefetch (may be null): n elements the caller reads next, requested into L2 meanwhile.
   // scales_from_amax: each sf is the cast's scale for its own group's amax (so |x/sf| is
   // bounded by the format's max finite), which lets the encoder skip saturation.
+  // inv (gran 1 only, may be null): RN(1/sf[i]) for every element, passed only with
+  // scales_from_amax when every sf is a positive normal number; it lets fast targets skip
+  // most of the per-element divisions (see reciprocal_codes in formats_simd.inc).
   void (*quantize[3][2])(const void* x, uint8_t* q, int64_t n, const float* sf, int64_t gran, bool stream,
-                         const void* prefetch, bool scales_from_amax);
+                         const void* prefetch, bool scales_from_amax, const float* inv);
   // out = wide(decode(q) * sf[i / gran]).
   void (*dequantize[3][2])(const uint8_t* q, void* out, int64_t n, const float* sf, int64_t gran, bool stream);
   void (*f32_to_bf16)(const float* x, uint16_t* out, int64_t n);

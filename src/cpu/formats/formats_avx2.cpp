@@ -34,6 +34,11 @@ struct V {
   static F add(F a, F b) { return _mm256_add_ps(a, b); }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static F div(F a, F b) { return _mm256_div_ps(a, b); }
+  // ---- cast fast path (formats_simd.inc: reciprocal_codes, encode_bounded) ----
+  static constexpr bool kFastCasts = true;
+  static I xor_(I a, I b) { return _mm256_xor_si256(a, b); }
+  static bool none(I a) { return _mm256_testz_si256(a, a); }
+  static I round_int(F a) { return _mm256_cvtps_epi32(a); }  // current rounding mode: nearest-even
   static I max(I a, I b) { return _mm256_max_epi32(a, b); }
   static F lut8(const float* table, I idx) { return _mm256_permutevar8x32_ps(_mm256_load_ps(table), idx); }
   static F to_float(I a) { return _mm256_cvtepi32_ps(a); }

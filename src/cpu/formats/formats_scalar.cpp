@@ -12,6 +12,7 @@ namespace {
 
 struct V {
   static constexpr bool kCustomBlocks = false;  // natural lane order (formats_simd.inc)
+  static constexpr bool kFastCasts = false;     // casts divide and use encode_magnitude
   static void fence() {}  // no streaming stores on this target
   static constexpr int N = 8;
   struct F { float v[N]; };

@@ -57,6 +57,16 @@ void finish_scales(float* sf, int64_t n, float max_code, bool use_ue8m0) {
   for (int64_t i = 0; i < n; ++i) sf[i] = scale_from_amax(sf[i], max_code, use_ue8m0);
 }
 
+// inv[i] = 1 / sf[i] (correctly rounded); false if some sf is not a positive normal number.
+bool reciprocals(const float* sf, int64_t n, float* inv) {
+  bool normal = true;
+  for (int64_t i = 0; i < n; ++i) {
+    normal = normal && std::bit_cast<uint32_t>(sf[i]) - 0x00800000u < 0x7f000000u;
+    inv[i] = 1.0f / sf[i];
+  }
+  return normal;
+}
+
 void check_scales(const char* fn, const Tensor& sf, const Shape& shape) {
   check_cpu_matrix(fn, "sf", sf, {DType::f32});
   check_shape(fn, "sf", sf, shape);
@@ -83,7 +93,7 @@ void per_token_cast(const char* fn, const Tensor& x, const Tensor& q, const Tens
     kern.amax_groups[wide](row_ptr(x, r), k, gran_k, s);
     finish_scales(s, groups, max_code, use_ue8m0);
     kern.quantize[static_cast<int>(fmt)][wide](row_ptr(x, r), reinterpret_cast<uint8_t*>(row_ptr_mut(q, r)), k, s, gran_k, stream,
-                                               r + 1 < m ? row_ptr(x, r + 1) : nullptr, true);
+                                               r + 1 < m ? row_ptr(x, r + 1) : nullptr, true, nullptr);
   }
 }
 
@@ -153,7 +163,7 @@ void per_block_cast_to_fp8_into(const Tensor& x, const Tensor& q, const Tensor& 
       finish_scales(s, groups, kE4m3Max, use_ue8m0);
       for (int64_t r = r0; r < r1; ++r)
         kern.quantize[static_cast<int>(Narrow::e4m3)][wide](row_ptr(x, r), reinterpret_cast<uint8_t*>(row_ptr_mut(q, r)), k, s, block_k, stream,
-                                                            block_m < m - r ? row_ptr(x, r + block_m) : nullptr, true);
+                                                            block_m < m - r ? row_ptr(x, r + block_m) : nullptr, true, nullptr);
     }
   }
 }
@@ -182,16 +192,24 @@ void per_channel_cast_to_fp8_into(const Tensor& x, const Tensor& q, const Tensor
   const auto& kern = detail::format_kernels();
   const int wide = static_cast<int>(wide_of(x));
   const bool stream = streaming(q);
-#pragma omp parallel for schedule(static) num_threads(threads_for(k * mn))
-  for (int64_t g = 0; g < ceil_div(k, gran_k); ++g) {
-    const int64_t r0 = g * gran_k, r1 = r0 + std::min(gran_k, k - r0);
-    float* s = reinterpret_cast<float*>(row_ptr_mut(sf, g));
-    std::fill(s, s + mn, 0.0f);
-    for (int64_t r = r0; r < r1; ++r) kern.amax_accumulate[wide](row_ptr(x, r), mn, s);
-    finish_scales(s, mn, kE4m3Max, use_ue8m0);
-    for (int64_t r = r0; r < r1; ++r)
-      kern.quantize[static_cast<int>(Narrow::e4m3)][wide](row_ptr(x, r), reinterpret_cast<uint8_t*>(row_ptr_mut(q, r)), mn, s, 1, stream,
-                                                          gran_k < k - r ? row_ptr(x, r + gran_k) : nullptr, true);
+#pragma omp parallel num_threads(threads_for(k * mn))
+  {
+    std::vector<float> inv(static_cast<size_t>(mn));
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < ceil_div(k, gran_k); ++g) {
+      const int64_t r0 = g * gran_k, r1 = r0 + std::min(gran_k, k - r0);
+      float* s = reinterpret_cast<float*>(row_ptr_mut(sf, g));
+      std::fill(s, s + mn, 0.0f);
+      for (int64_t r = r0; r < r1; ++r) kern.amax_accumulate[wide](row_ptr(x, r), mn, s);
+      finish_scales(s, mn, kE4m3Max, use_ue8m0);
+      // The group's rows share these scales: their reciprocals, once, spare the kernel a
+      // division per element (only where every scale is a positive normal, as it requires).
+      const bool normal = reciprocals(s, mn, inv.data());
+      for (int64_t r = r0; r < r1; ++r)
+        kern.quantize[static_cast<int>(Narrow::e4m3)][wide](row_ptr(x, r), reinterpret_cast<uint8_t*>(row_ptr_mut(q, r)), mn, s, 1, stream,
+                                                            gran_k < k - r ? row_ptr(x, r + gran_k) : nullptr, true,
+                                                            normal ? inv.data() : nullptr);
+    }
   }
 }
 
@@ -384,7 +402,7 @@ void convert(const Tensor& src, const Tensor& dst) {
       else if (src.dtype() == DType::f32) kern.f32_to_bf16(reinterpret_cast<const float*>(w), reinterpret_cast<uint16_t*>(o), cols);
       else kern.bf16_to_f32(reinterpret_cast<const uint16_t*>(w), reinterpret_cast<float*>(o), cols);
     } else if (to_narrow) {
-      kern.quantize[narrow_of(dst.dtype())][static_cast<int>(wide_of(src))](w, reinterpret_cast<uint8_t*>(o), cols, &one, cols, stream, nullptr, false);
+      kern.quantize[narrow_of(dst.dtype())][static_cast<int>(wide_of(src))](w, reinterpret_cast<uint8_t*>(o), cols, &one, cols, stream, nullptr, false, nullptr);
     } else {
       kern.dequantize[narrow_of(src.dtype())][static_cast<int>(wide_of(dst))](reinterpret_cast<const uint8_t*>(o), const_cast<char*>(w), cols, &one, cols, stream);
     }
