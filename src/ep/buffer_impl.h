@@ -280,10 +280,17 @@ struct Buffer::Impl {
   size_t ll_half_stride() const { return static_cast<size_t>(num_rdma_bytes / 2) / 4096 * 4096; }
   std::vector<int> masked;  // by rank, this rank's view
 
-  // Like wait_all, but masked ranks count as answered.
+  // Like wait_all, but masked ranks count as answered. Across nodes it keeps this rank's
+  // low-latency messages moving while it waits: MPI moves a large (rendezvous) message only
+  // while its sender is inside MPI, and the peer this rank waits for may itself be waiting
+  // for that message.
   template <class Pred>
-  void wait_unmasked(const char* fn, Pred&& pred) const {
-    wait_all(fn, [&](int p) { return masked[static_cast<size_t>(global(p))] != 0 || pred(p); });
+  void wait_unmasked(const char* fn, Pred&& pred) {
+    const bool remote = num_nodes() > 1;
+    wait_all(fn, [&](int p) { return masked[static_cast<size_t>(global(p))] != 0 || pred(p); },
+             [&] {
+               if (remote) sweep_in_flight();
+             });
   }
 
   // Low-latency messages to and from other nodes. Sends complete in the background (their
@@ -382,13 +389,15 @@ struct Buffer::Impl {
   // Spins, then yields, then sleeps (ranks may outnumber cores), until pred(p) holds for
   // every local rank p of this node; TimeoutError naming the others (global ranks) after
   // `timeout` seconds.
-  template <class Pred>
-  void wait_all(const char* fn, Pred&& pred) const {
+  // progress() runs once per unsuccessful round.
+  template <class Pred, class Progress = void (*)()>
+  void wait_all(const char* fn, Pred&& pred, Progress&& progress = [] {}) const {
     const auto start = std::chrono::steady_clock::now();
     for (uint64_t iter = 0;; ++iter) {
       bool all = true;
       for (int p = 0; p < ranks_per_node && all; ++p) all = pred(p);
       if (all) return;
+      progress();
       if (iter < 1024) {
         _mm_pause();
         continue;
