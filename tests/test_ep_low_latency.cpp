@@ -1173,7 +1173,6 @@ TEST(EpLowLatency, Hidden7168OnExactSizeHint) {
   expect_combined(comb.combined_x, expected_combined(w, Fmt::fp8, Expert::scaled, no_mask()), w, "combined_x");
 }
 
-// ep.md "a pressure mode reruns 20 times and compares hashes (determinism)".
 // Across nodes, messages this large (about 0.5-1 MB) exceed MPI's eager limit: MPI moves
 // them only while their sender is inside MPI. Round trips with ranks arriving at different
 // times must not end up waiting on each other in a cycle (every wait keeps MPI moving).
@@ -1212,6 +1211,7 @@ TEST(EpLowLatency, LargeMessagesStaggeredRoundTrips) {
   }
 }
 
+// ep.md "a pressure mode reruns 20 times and compares hashes (determinism)".
 TEST(EpLowLatency, DeterministicOver20Runs) {
   const int R = num_ranks();
   LLSpec s;
