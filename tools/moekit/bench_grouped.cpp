@@ -53,6 +53,24 @@ Quantized random_fp8_weights(int64_t groups, int64_t n, int64_t k, uint64_t seed
   return q;
 }
 
+// Random FP4 weights [G, N, K] (packed e2m1, every code is a number) with power-of-two
+// (ue8m0-representable) scales per 32 columns, the (1, 1, 32) recipe.
+Quantized random_fp4_weights(int64_t groups, int64_t n, int64_t k, uint64_t seed) {
+  Quantized q{Tensor::empty({groups, n, k / 2}, DType::e2m1x2), Tensor::empty({groups, n, (k + 31) / 32}, DType::f32)};
+  auto* v = q.values.data_ptr<uint8_t>();
+  const int64_t total = q.values.numel();
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < total; i += 4096) {
+    uint64_t s = seed * 0x9e3779b97f4a7c15ull + static_cast<uint64_t>(i);
+    for (int64_t j = i; j < std::min(total, i + 4096); ++j) {
+      s = s * 6364136223846793005ull + 1442695040888963407ull;
+      v[j] = static_cast<uint8_t>(s >> 56);
+    }
+  }
+  for (int64_t i = 0; i < q.sf.numel(); ++i) q.sf.data_ptr<float>()[i] = i % 3 == 0 ? 1.0f / 64.0f : 1.0f / 32.0f;
+  return q;
+}
+
 }  // namespace
 
 void bench_grouped(const BenchOptions& o) {
@@ -129,12 +147,16 @@ void bench_grouped(const BenchOptions& o) {
   std::vector<std::pair<int64_t, int64_t>> masked = {{32, 20}, {6, 20}, {32, 192}};
   int64_t mn = 4096, mk = 7168;
   if (o.quick) masked = {{4, 8}}, mn = 256, mk = 512;
+  // FP8 weights (128x128 blocks) for every shape; FP4 weights (1x32 ue8m0, with FP8
+  // activations at the same granularity) for the decode shapes, where bytes are what count.
+  for (const bool fp4 : {false, true})
   for (const auto& [groups, m] : masked) {
-    const int64_t max_m = std::max<int64_t>(m, 32);
-    const Quantized qb = random_fp8_weights(groups, mn, mk, 3);
+    if (fp4 && m > 20) continue;
+    const int64_t max_m = std::max<int64_t>(m, 32), gran = fp4 ? 32 : 128;
+    const Quantized qb = fp4 ? random_fp4_weights(groups, mn, mk, 3) : random_fp8_weights(groups, mn, mk, 3);
     const Tensor x = random_bf16(groups * max_m, mk, 4);
-    const Quantized q2 = per_token_cast_to_fp8(x, false);
-    const Quantized qa{q2.values.reshape({groups, max_m, mk}), q2.sf.reshape({groups, max_m, (mk + 127) / 128})};
+    const Quantized q2 = per_token_cast_to_fp8(x, fp4, gran);
+    const Quantized qa{q2.values.reshape({groups, max_m, mk}), q2.sf.reshape({groups, max_m, (mk + gran - 1) / gran})};
     std::vector<int32_t> mm(static_cast<size_t>(groups), static_cast<int32_t>(m));
     const Tensor masked_m = i32(mm);
     const Tensor d = Tensor::zeros({groups, max_m, mn}, DType::bf16);
@@ -142,22 +164,29 @@ void bench_grouped(const BenchOptions& o) {
     auto run = [&] { m_grouped_fp8_gemm_nt_masked(qa, qb, d, masked_m, m); };
     auto peer = [&] {
       for (int64_t g = 0; g < groups; ++g) {
-        cast_back_from_fp8_into(qb.values.select(0, g), qb.sf.select(0, g), fb, 128, 128);
-        cast_back_from_fp8_into(qa.values.select(0, g).slice(0, 0, m), qa.sf.select(0, g).slice(0, 0, m), fa, 1, 128);
+        if (fp4) {
+          cast_back_from_fp4_into(qb.values.select(0, g), qb.sf.select(0, g), fb, 1, 32);
+        } else {
+          cast_back_from_fp8_into(qb.values.select(0, g), qb.sf.select(0, g), fb, 128, 128);
+        }
+        cast_back_from_fp8_into(qa.values.select(0, g).slice(0, 0, m), qa.sf.select(0, g).slice(0, 0, m), fa, 1, gran);
         sgemm_nt(fa.data_ptr<float>(), fb.data_ptr<float>(), fd.data_ptr<float>(), m, mn, mk);
       }
     };
     Row row;
-    row.kernel = "m_grouped_fp8_gemm_nt_masked";
+    row.kernel = fp4 ? "m_grouped_fp8_fp4_gemm_nt_masked" : "m_grouped_fp8_gemm_nt_masked";
     std::tie(row.time, row.peer_time) = time_interleaved(run, peer, repeats);
     const int64_t check = std::min<int64_t>(m, 4), check_n = 64;
-    ref::Operand ra{qa.values.select(0, 1).slice(0, 0, check), qa.sf.select(0, 1).slice(0, 0, check), 1, 128};
-    ref::Operand rb{qb.values.select(0, 1).slice(0, 0, check_n), qb.sf.select(0, 1).slice(0, 0, 1), 128, 128};
+    ref::Operand ra{qa.values.select(0, 1).slice(0, 0, check), qa.sf.select(0, 1).slice(0, 0, check), 1, gran};
+    ref::Operand rb = fp4 ? ref::Operand{qb.values.select(0, 1).slice(0, 0, check_n), qb.sf.select(0, 1).slice(0, 0, check_n), 1, 32}
+                          : ref::Operand{qb.values.select(0, 1).slice(0, 0, check_n), qb.sf.select(0, 1).slice(0, 0, 1), 128, 128};
     row.calc_diff = ref::calc_diff(ref::to_f64(d.select(0, 1).slice(0, 0, check).slice(1, 0, check_n)), ref::gemm(ref::Layout::nt, ra, rb));
-    const double weight_bytes = static_cast<double>(groups * mn * mk) * (1.0 + 4.0 / (128.0 * 128.0));
+    // Weight bytes per element: e4m3 1 + a 128x128 block's f32 scale; e2m1 1/2 + an f32 scale per 32.
+    const double per_weight = fp4 ? 0.5 + 4.0 / 32.0 : 1.0 + 4.0 / (128.0 * 128.0);
+    const double weight_bytes = static_cast<double>(groups * mn * mk) * per_weight;
     const double flops = 2.0 * static_cast<double>(groups * m * mn) * static_cast<double>(mk);
     row.shape = fmt::format("{}x{}x{}x{}", groups, m, mn, mk);
-    row.dtype = "fp8";
+    row.dtype = fp4 ? "fp8xfp4" : "fp8";
     row.threads = num_threads();
     row.gbps = weight_bytes / (row.time.median_us * 1e3);
     row.ceiling = "read_bw";
@@ -169,6 +198,7 @@ void bench_grouped(const BenchOptions& o) {
                  {"bound", t_mem >= t_flop ? "memory" : "compute"},
                  {"pct_of_roofline", fmt::format("{:.1f}", 100.0 * std::max(t_mem, t_flop) / (row.time.median_us * 1e-6))},
                  {"ok_vs_oracle", row.calc_diff <= 1e-5 ? "yes" : "NO"}};
+    if (fp4) row.notes["recipe"] = "1,1,32 ue8m0";
     rows_out.push_back(row);
   }
 
