@@ -1099,6 +1099,44 @@ TEST(EpLowLatency, TwoMicroBatchesWithHooks) {
 // Two live results of different hidden sizes on one buffer sized for both (docs/EP.md: a
 // result stays valid until the second low-latency dispatch after it; nothing there restricts
 // the shapes of the calls in between). A: H = 128, B: H = 7168, every rank at the token limit.
+// A hook only waits: the receive runs in the background from the dispatch on (upstream's
+// data arrives by RDMA whether or not the hook was called). So three dispatches in a row
+// complete with no hook called in between: the third reuses the first's half, which needs
+// every receiver to have gathered the first already. (Across nodes this needs
+// MPI_THREAD_MULTIPLE; otherwise hooks defer their receive, docs/EP.md.)
+TEST(EpLowLatency, HookReceivesInTheBackground) {
+  const int R = num_ranks();
+  LLSpec s;
+  s.hidden = 256;
+  s.experts_per_rank = 2;
+  s.topk = std::min(4, 2 * R);
+  s.max_tokens = 16;
+  s.tokens = mixed_tokens(16);
+  s.seed = 560;
+  s.data = Data::rank_encoded;
+  const LLWorld w = make_ll_world(s);
+  BufferOptions o;
+  o.timeout_s = 10;  // a receive that never ran shows up as a TimeoutError, not a hang
+  BufferGuard buf = make_ll_buffer(w.hint(), o);
+  int thread_level = MPI_THREAD_SINGLE;
+  MPI_Query_thread(&thread_level);
+  if (buf->get_num_local_ranks() < R && thread_level < MPI_THREAD_MULTIPLE)
+    GTEST_SKIP() << "across nodes without MPI_THREAD_MULTIPLE hooks defer their receive (docs/EP.md)";
+  std::vector<LowLatencyDispatchResult> results(3);
+  if (!collective_step("three dispatches, then the hooks", [&] {
+        for (auto& r : results) r = buf->low_latency_dispatch(dispatch_args(w, Fmt::fp8, Completion::hook));
+        for (auto& r : results) {
+          ASSERT_TRUE(static_cast<bool>(r.hook));
+          r.hook();
+        }
+      }))
+    return;
+  check_ll_dispatch(results[2], w, Fmt::fp8, no_mask());
+  LowLatencyCombineResult comb;
+  if (!collective_step("combine", [&] { comb = combine_private(*buf, w, results[2], Fmt::fp8, Expert::scaled, Completion::hook); })) return;
+  expect_combined(comb.combined_x, expected_combined(w, Fmt::fp8, Expert::scaled, no_mask()), w, "combined_x");
+}
+
 TEST(EpLowLatency, TwoResultsLiveOfDifferentHiddenSizes) {
   const int R = num_ranks();
   if (R < 2) GTEST_SKIP() << "needs two ranks";

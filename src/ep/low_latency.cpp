@@ -250,6 +250,33 @@ struct LLHook {
   bool done = false;
 };
 
+// Receive steps that call MPI run on the async thread only under MPI_THREAD_MULTIPLE.
+bool ll_async(const Buffer::Impl& m, bool requested) {
+  return requested && (m.num_nodes() == 1 || Buffer::Impl::can_run_mpi_async());
+}
+
+// Where a receive step runs. With async_finish, or with a hook, on the worker thread from the
+// call on, so the transfer overlaps the caller's work (the hook then only waits for it, as
+// upstream's hook waits for data that RDMA moved meanwhile). Where the worker may not call
+// MPI: in the call, or (hook) deferred into the hook.
+template <class Result>
+void schedule_receive(Buffer::Impl& m, bool async_finish, bool hook, std::function<void()> receive, Result& out) {
+  if (!hook) {
+    out.event = m.run(ll_async(m, async_finish), std::move(receive));
+  } else if (ll_async(m, true)) {
+    const EventOverlap done = m.run(true, std::move(receive));
+    out.hook = [done] { done.wait(); };
+  } else {
+    auto deferred = std::make_shared<LLHook>();
+    deferred->body = std::move(receive);
+    out.hook = [deferred] {
+      if (deferred->done) return;
+      deferred->done = true;
+      deferred->body();
+    };
+  }
+}
+
 // The tokens (ascending) with at least one top-k entry among experts [first, first + n).
 std::vector<int32_t> tokens_for_experts(const int32_t* topk, int64_t tokens, int64_t k, int64_t first, int64_t n) {
   std::vector<int32_t> out;
@@ -471,12 +498,6 @@ auto ll_call(Buffer::Impl& m, const char* fn, uint64_t& calls, bool dispatch, Bo
   }
 }
 
-// Receive steps that call MPI run on the async thread only under MPI_THREAD_MULTIPLE;
-// otherwise they complete in the call (the event is then already done).
-bool ll_async(const Buffer::Impl& m, bool requested) {
-  return requested && (m.num_nodes() == 1 || Buffer::Impl::can_run_mpi_async());
-}
-
 LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchArgs& a) {
   return ll_call(*impl_, kLLDispatch, impl_->ll_dispatches, true, [&] { return low_latency_dispatch_checked(a); });
 }
@@ -646,17 +667,7 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch_checked(const LowLatencyDi
     if (stats.defined())
       for (int64_t e = 0; e < local_E; ++e) stats.data_ptr<int32_t>()[e * stats.stride(0)] += count[e];
   };
-  if (a.return_recv_hook) {
-    auto hook = std::make_shared<LLHook>();
-    hook->body = std::move(receive);
-    out.hook = [hook] {
-      if (hook->done) return;
-      hook->done = true;
-      hook->body();
-    };
-  } else {
-    out.event = m.run(ll_async(m, a.async_finish), std::move(receive));
-  }
+  schedule_receive(m, a.async_finish, a.return_recv_hook, std::move(receive), out);
   return out;
 }
 
@@ -821,17 +832,7 @@ LowLatencyCombineResult Buffer::low_latency_combine_checked(const LowLatencyComb
     // x offered in place stays untouched until every owner on this node has read it.
     m.wait_unmasked(fn, [&](int p) { return m.ll_read(lr, p).load(std::memory_order_acquire) >= call; });
   };
-  if (a.return_recv_hook) {
-    auto hook = std::make_shared<LLHook>();
-    hook->body = std::move(receive);
-    out.hook = [hook] {
-      if (hook->done) return;
-      hook->done = true;
-      hook->body();
-    };
-  } else {
-    out.event = m.run(ll_async(m, a.async_finish), std::move(receive));
-  }
+  schedule_receive(m, a.async_finish, a.return_recv_hook, std::move(receive), out);
   return out;
 }
 
