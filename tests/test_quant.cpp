@@ -261,6 +261,28 @@ TEST(QuantOracle, PerTokenFp4) {
 }
 
 // ---------------------------------------------------------------- hand-checked cases
+// bf16 amaxes may be taken on the 16-bit patterns, eight groups at a time: NaN (either
+// sign; the default payload, which the oracle's scale keeps), inf, -0 and subnormals at the start, middle and end of groups,
+// with group sizes that are and are not multiples of 16 and counts that leave a partial batch.
+TEST(QuantOracle, Bf16SpecialsInGroups) {
+  const uint16_t specials[] = {0x7fc0, 0xffc0, 0x7f80, 0xff80, 0x8000, 0x0001, 0x807f};
+  uint64_t seed = 100;
+  for (const Case& c : {Case{3, 1000, 16}, Case{3, 1000, 32}, Case{2, 2100, 128}, Case{130, 520, 128}, Case{3, 1000, 40}}) {
+    Tensor x = with_dtype(make_input(c.m, c.k, ++seed), DType::bf16);
+    std::mt19937_64 rng(seed);
+    auto* p = x.data_ptr<uint16_t>();
+    for (int64_t i = 0; i < x.numel(); i += 1 + static_cast<int64_t>(rng() % (3 * c.gran)))
+      p[i] = specials[rng() % std::size(specials)];
+    for (Cast cast : {Cast::token_fp8, Cast::token_fp4, Cast::block_fp8}) {
+      for (bool ue8m0 : {false, true}) {
+        SCOPED_TRACE(describe(cast, c, DType::bf16, ue8m0));
+        const Quantized want = run_ref(cast, x, ue8m0, c);
+        for_each_isa([&](Isa) { EXPECT_TRUE(same_quantized(run_cast(cast, x, ue8m0, c), want)); });
+      }
+    }
+  }
+}
+
 TEST(QuantHand, PerTokenFp8SmallRow) {
   const float x[2][4] = {{1.0f, -2.0f, 448.0f, 0.5f}, {0.0f, 0.0f, 0.0f, 0.0f}};
   for_each_isa([&](Isa) {

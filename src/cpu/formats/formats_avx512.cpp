@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "format_kernels.h"
 
@@ -12,6 +13,7 @@ namespace {
 struct V {
   static constexpr bool kCustomBlocks = false;  // natural lane order (formats_simd.inc)
   static constexpr bool kFastCasts = false;     // casts divide and use encode_magnitude
+  static constexpr bool kBf16Amax = false;      // amax_groups widens bf16 like f32
   static void fence() {}  // no streaming stores on this target
   static constexpr int N = 16;
   using F = __m512;

@@ -4,6 +4,7 @@
 #include <bit>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "format_kernels.h"
 
@@ -13,6 +14,7 @@ namespace {
 struct V {
   static constexpr bool kCustomBlocks = false;  // natural lane order (formats_simd.inc)
   static constexpr bool kFastCasts = false;     // casts divide and use encode_magnitude
+  static constexpr bool kBf16Amax = false;      // amax_groups widens bf16 like f32
   static void fence() {}  // no streaming stores on this target
   static constexpr int N = 8;
   struct F { float v[N]; };

@@ -47,14 +47,10 @@ const char* row_ptr(const Tensor& t, int64_t r) {
 }
 char* row_ptr_mut(const Tensor& t, int64_t r) { return const_cast<char*>(row_ptr(t, r)); }
 
-// sf = max(amax, 1e-4) / max_code in f32; rounded up to a power of two for ue8m0.
-float scale_from_amax(float amax, float max_code, bool use_ue8m0) noexcept {
-  const float sf = std::max(amax, kAmaxFloor) / max_code;
-  return use_ue8m0 ? detail::ceil_pow2(sf) : sf;
-}
-
 void finish_scales(float* sf, int64_t n, float max_code, bool use_ue8m0) {
-  for (int64_t i = 0; i < n; ++i) sf[i] = scale_from_amax(sf[i], max_code, use_ue8m0);
+  for (int64_t i = 0; i < n; ++i) sf[i] = std::max(sf[i], kAmaxFloor) / max_code;
+  if (use_ue8m0)
+    for (int64_t i = 0; i < n; ++i) sf[i] = detail::ceil_pow2(sf[i]);
 }
 
 // inv[i] = 1 / sf[i] (correctly rounded); false if some sf is not a positive normal number.
