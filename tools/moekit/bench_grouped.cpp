@@ -34,21 +34,27 @@ void sgemm_nt(const float* a, const float* b, float* d, int64_t m, int64_t n, in
   if (m > 0) dnnl_sgemm('N', 'T', m, n, k, 1.0f, a, k, b, k, 0.0f, d, n);
 }
 
-// Random FP8 weights [G, N, K] with 128x128 block scales, made directly (no quantisation
-// pass: these sizes run to gigabytes). Codes avoid NaN.
-Quantized random_fp8_weights(int64_t groups, int64_t n, int64_t k, uint64_t seed) {
-  Quantized q{Tensor::empty({groups, n, k}, DType::e4m3), Tensor::empty({groups, (n + 127) / 128, (k + 127) / 128}, DType::f32)};
-  auto* v = q.values.data_ptr<uint8_t>();
-  const int64_t total = q.values.numel();
+// Deterministic random bytes (one LCG stream per 4 KiB, so threads split the work freely);
+// keep(c) maps a byte to the code stored.
+template <class Keep>
+void fill_random_codes(const Tensor& t, uint64_t seed, Keep keep) {
+  auto* v = t.data_ptr<uint8_t>();
+  const int64_t total = t.numel();
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < total; i += 4096) {
     uint64_t s = seed * 0x9e3779b97f4a7c15ull + static_cast<uint64_t>(i);
     for (int64_t j = i; j < std::min(total, i + 4096); ++j) {
       s = s * 6364136223846793005ull + 1442695040888963407ull;
-      const uint8_t c = static_cast<uint8_t>(s >> 56);
-      v[j] = (c & 0x7f) == 0x7f ? static_cast<uint8_t>(c - 1) : c;
+      v[j] = keep(static_cast<uint8_t>(s >> 56));
     }
   }
+}
+
+// Random FP8 weights [G, N, K] with 128x128 block scales, made directly (no quantisation
+// pass: these sizes run to gigabytes). Codes avoid NaN.
+Quantized random_fp8_weights(int64_t groups, int64_t n, int64_t k, uint64_t seed) {
+  Quantized q{Tensor::empty({groups, n, k}, DType::e4m3), Tensor::empty({groups, (n + 127) / 128, (k + 127) / 128}, DType::f32)};
+  fill_random_codes(q.values, seed, [](uint8_t c) { return (c & 0x7f) == 0x7f ? static_cast<uint8_t>(c - 1) : c; });
   for (int64_t i = 0; i < q.sf.numel(); ++i) q.sf.data_ptr<float>()[i] = 1.0f / 256.0f;
   return q;
 }
@@ -57,16 +63,7 @@ Quantized random_fp8_weights(int64_t groups, int64_t n, int64_t k, uint64_t seed
 // (ue8m0-representable) scales per 32 columns, the (1, 1, 32) recipe.
 Quantized random_fp4_weights(int64_t groups, int64_t n, int64_t k, uint64_t seed) {
   Quantized q{Tensor::empty({groups, n, k / 2}, DType::e2m1x2), Tensor::empty({groups, n, (k + 31) / 32}, DType::f32)};
-  auto* v = q.values.data_ptr<uint8_t>();
-  const int64_t total = q.values.numel();
-#pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < total; i += 4096) {
-    uint64_t s = seed * 0x9e3779b97f4a7c15ull + static_cast<uint64_t>(i);
-    for (int64_t j = i; j < std::min(total, i + 4096); ++j) {
-      s = s * 6364136223846793005ull + 1442695040888963407ull;
-      v[j] = static_cast<uint8_t>(s >> 56);
-    }
-  }
+  fill_random_codes(q.values, seed, [](uint8_t c) { return c; });
   for (int64_t i = 0; i < q.sf.numel(); ++i) q.sf.data_ptr<float>()[i] = i % 3 == 0 ? 1.0f / 64.0f : 1.0f / 32.0f;
   return q;
 }
