@@ -21,8 +21,8 @@
 // MPI_Allreduce of an "ok" flag), so a failure costs at most one timeout, never a hang.
 // Combine's expected sum follows docs/EP.md: a token that lists an expert twice got one row
 // from it, and only the first of those entries (its weight) counts; -1 entries and experts on
-// masked ranks count nothing. Low-latency mode is one node only for now: with simulated nodes
-// (MOEKIT_EP_RANKS_PER_NODE) only the hint/mask checks and AcrossNodesRaises run.
+// masked ranks count nothing. With simulated nodes (MOEKIT_EP_RANKS_PER_NODE) the same tests
+// run across nodes, where the expectations are identical (docs/EP.md).
 #include <gtest/gtest.h>
 #include <mpi.h>
 #include <unistd.h>
@@ -229,6 +229,20 @@ std::vector<int64_t> mixed_tokens(int64_t max) {
     if (i % 4 == 1) return max;
     return 1 + (5 * i + 3) % max;
   });
+}
+
+// The fields every test sets; the routing probabilities and router keep their defaults.
+LLSpec ll_spec(int64_t hidden, int experts_per_rank, int topk, int64_t max_tokens, std::vector<int64_t> tokens, uint64_t seed,
+               Data data = Data::random) {
+  LLSpec s;
+  s.hidden = hidden;
+  s.experts_per_rank = experts_per_rank;
+  s.topk = topk;
+  s.max_tokens = max_tokens;
+  s.tokens = std::move(tokens);
+  s.seed = seed;
+  s.data = data;
+  return s;
 }
 
 std::vector<int> no_mask() { return std::vector<int>(static_cast<size_t>(num_ranks()), 0); }
@@ -704,16 +718,7 @@ TEST(EpLowLatency, SizeHintAndMaskBuffer) {
     EXPECT_EQ(vector_of<int32_t>(buf->low_latency_query_mask_buffer()), zeros) << "clean_mask_buffer unmasks everyone";
   }
   // After all that (local) traffic a low-latency round still works on every rank.
-  const LLWorld w = make_ll_world([&] {
-    LLSpec s;
-    s.hidden = 384;
-    s.experts_per_rank = 4;
-    s.topk = std::min(4, 4 * R);
-    s.max_tokens = 16;
-    s.tokens = mixed_tokens(16);
-    s.seed = 11;
-    return s;
-  }());
+  const LLWorld w = make_ll_world(ll_spec(384, 4, std::min(4, 4 * R), 16, mixed_tokens(16), 11));
   SCOPED_TRACE("a round after mask updates");
   run_case(*buf, w, Fmt::fp8, Completion::sync, no_mask());
 }
@@ -728,13 +733,7 @@ TEST(EpLowLatency, DispatchCombineEveryMode) {
   const int R = num_ranks();
   for (int64_t H : {int64_t{128}, int64_t{200}, int64_t{384}}) {
     SCOPED_TRACE("H=" + std::to_string(H));
-    LLSpec s;
-    s.hidden = H;
-    s.experts_per_rank = 3;
-    s.topk = std::min(6, 3 * R);
-    s.max_tokens = 12;
-    s.tokens = mixed_tokens(12);
-    s.seed = 100 + static_cast<uint64_t>(H);
+    LLSpec s = ll_spec(H, 3, std::min(6, 3 * R), 12, mixed_tokens(12), 100 + static_cast<uint64_t>(H));
     // Besides the random -1 entries, repeats and empty tokens: token 2 of every rank routes
     // nowhere, token 3 lists one expert first and last, token 4 has a -1 entry.
     s.router = [](int i, int64_t t, int64_t* row, float*) {
@@ -811,14 +810,7 @@ TEST(EpLowLatency, EdgeWorlds) {
   int index = 0, edge_index = 0;
   for (const Edge& edge : edges) {
     const int this_edge = edge_index++;
-    LLSpec s;
-    s.hidden = 256;
-    s.experts_per_rank = 2;
-    s.topk = k;
-    s.max_tokens = max;
-    s.tokens = tokens_per_rank(edge.tokens);
-    s.seed = 300 + static_cast<uint64_t>(this_edge);
-    s.data = this_edge % 2 ? Data::random : Data::rank_encoded;
+    LLSpec s = ll_spec(256, 2, k, max, tokens_per_rank(edge.tokens), 300 + static_cast<uint64_t>(this_edge), this_edge % 2 ? Data::random : Data::rank_encoded);
     s.router = edge.router;
     const LLWorld w = make_ll_world(s);
     BufferGuard buf = make_ll_buffer(w.hint());
@@ -854,13 +846,7 @@ TEST(EpLowLatency, EdgeWorlds) {
 // caller-provided `out` (padded rows), each sync / async / hook.
 TEST(EpLowLatency, CombinePathsAreBitIdentical) {
   const int R = num_ranks(), me = my_rank();
-  LLSpec s;
-  s.hidden = 512;
-  s.experts_per_rank = 3;
-  s.topk = std::min(5, 3 * R);
-  s.max_tokens = 10;
-  s.tokens = mixed_tokens(10);
-  s.seed = 400;
+  LLSpec s = ll_spec(512, 3, std::min(5, 3 * R), 10, mixed_tokens(10), 400);
   const LLWorld w = make_ll_world(s);
   const int64_t y_bytes = static_cast<int64_t>(w.El) * w.slots() * w.H * 2;
   BufferGuard buf = make_ll_buffer(w.hint(), {}, 2 * y_bytes + (1 << 16));
@@ -936,13 +922,7 @@ TEST(EpLowLatency, CombinePathsAreBitIdentical) {
 TEST(EpLowLatency, CombineRoundingIsExact) {
   const int R = num_ranks();
   for (int64_t H : {int64_t{512}, int64_t{200}}) {
-    LLSpec s;
-    s.hidden = H;
-    s.experts_per_rank = 4;
-    s.topk = 6;
-    s.max_tokens = 16;
-    s.tokens = tokens_per_rank([](int i) { return int64_t{10} + (3 * i) % 7; });
-    s.seed = 450 + static_cast<uint64_t>(H);
+    LLSpec s = ll_spec(H, 4, 6, 16, tokens_per_rank([](int i) { return int64_t{10} + (3 * i) % 7; }), 450 + static_cast<uint64_t>(H));
     s.router = [R](int i, int64_t t, int64_t* row, float* weights) {
       const int pairs = 2 * R;  // experts 2p and 2p + 1
       Rng rng{hash4(450, static_cast<uint64_t>(i), static_cast<uint64_t>(t), 1)};
@@ -977,14 +957,7 @@ TEST(EpLowLatency, CombineRoundingIsExact) {
 // each combine's view must survive the other combine.
 TEST(EpLowLatency, TwoResultsLive) {
   const int R = num_ranks();
-  LLSpec sa;
-  sa.hidden = 384;
-  sa.experts_per_rank = 3;
-  sa.topk = std::min(6, 3 * R);
-  sa.max_tokens = 12;
-  sa.tokens = mixed_tokens(12);
-  sa.seed = 500;
-  sa.data = Data::rank_encoded;
+  LLSpec sa = ll_spec(384, 3, std::min(6, 3 * R), 12, mixed_tokens(12), 500, Data::rank_encoded);
   LLSpec sb = sa;
   sb.seed = 501;
   sb.data = Data::random;
@@ -1036,13 +1009,7 @@ TEST(EpLowLatency, TwoResultsLive) {
 // receive completes, hooks called afterwards (in order), then the same for the combines.
 TEST(EpLowLatency, TwoMicroBatchesWithHooks) {
   const int R = num_ranks();
-  LLSpec sa;
-  sa.hidden = 256;
-  sa.experts_per_rank = 2;
-  sa.topk = std::min(4, 2 * R);
-  sa.max_tokens = 16;
-  sa.tokens = mixed_tokens(16);
-  sa.seed = 550;
+  LLSpec sa = ll_spec(256, 2, std::min(4, 2 * R), 16, mixed_tokens(16), 550);
   LLSpec sb = sa;
   sb.seed = 551;
   sb.data = Data::rank_encoded;
@@ -1096,9 +1063,6 @@ TEST(EpLowLatency, TwoMicroBatchesWithHooks) {
   EXPECT_EQ(vector_of<int32_t>(stats), want) << "cumulative_local_expert_recv_stats after four hooked dispatches";
 }
 
-// Two live results of different hidden sizes on one buffer sized for both (docs/EP.md: a
-// result stays valid until the second low-latency dispatch after it; nothing there restricts
-// the shapes of the calls in between). A: H = 128, B: H = 7168, every rank at the token limit.
 // A hook only waits: the receive runs in the background from the dispatch on (upstream's
 // data arrives by RDMA whether or not the hook was called). So three dispatches in a row
 // complete with no hook called in between: the third reuses the first's half, which needs
@@ -1106,14 +1070,7 @@ TEST(EpLowLatency, TwoMicroBatchesWithHooks) {
 // MPI_THREAD_MULTIPLE; otherwise hooks defer their receive, docs/EP.md.)
 TEST(EpLowLatency, HookReceivesInTheBackground) {
   const int R = num_ranks();
-  LLSpec s;
-  s.hidden = 256;
-  s.experts_per_rank = 2;
-  s.topk = std::min(4, 2 * R);
-  s.max_tokens = 16;
-  s.tokens = mixed_tokens(16);
-  s.seed = 560;
-  s.data = Data::rank_encoded;
+  LLSpec s = ll_spec(256, 2, std::min(4, 2 * R), 16, mixed_tokens(16), 560, Data::rank_encoded);
   const LLWorld w = make_ll_world(s);
   BufferOptions o;
   o.timeout_s = 10;  // a receive that never ran shows up as a TimeoutError, not a hang
@@ -1137,17 +1094,13 @@ TEST(EpLowLatency, HookReceivesInTheBackground) {
   expect_combined(comb.combined_x, expected_combined(w, Fmt::fp8, Expert::scaled, no_mask()), w, "combined_x");
 }
 
+// Two live results of different hidden sizes on one buffer sized for both (docs/EP.md: a
+// result stays valid until the second low-latency dispatch after it; nothing there restricts
+// the shapes of the calls in between). A: H = 128, B: H = 7168, every rank at the token limit.
 TEST(EpLowLatency, TwoResultsLiveOfDifferentHiddenSizes) {
   const int R = num_ranks();
   if (R < 2) GTEST_SKIP() << "needs two ranks";
-  LLSpec sa;
-  sa.hidden = 128;
-  sa.experts_per_rank = 1;
-  sa.topk = 2;
-  sa.max_tokens = 8;
-  sa.tokens = tokens_per_rank([](int) { return int64_t{8}; });
-  sa.seed = 600;
-  sa.data = Data::rank_encoded;
+  LLSpec sa = ll_spec(128, 1, 2, 8, tokens_per_rank([](int) { return int64_t{8}; }), 600, Data::rank_encoded);
   LLSpec sb = sa;
   sb.hidden = 7168;
   sb.seed = 601;
@@ -1185,13 +1138,7 @@ TEST(EpLowLatency, TwoResultsLiveOfDifferentHiddenSizes) {
 // H = 7168 (DeepSeek's hidden size) on a buffer of exactly the size hint.
 TEST(EpLowLatency, Hidden7168OnExactSizeHint) {
   const int R = num_ranks();
-  LLSpec s;
-  s.hidden = 7168;
-  s.experts_per_rank = 2;
-  s.topk = std::min(4, 2 * R);
-  s.max_tokens = 6;
-  s.tokens = mixed_tokens(6);
-  s.seed = 700;
+  LLSpec s = ll_spec(7168, 2, std::min(4, 2 * R), 6, mixed_tokens(6), 700);
   const LLWorld w = make_ll_world(s);
   BufferGuard buf = make_ll_buffer(w.hint());
   {
@@ -1216,13 +1163,7 @@ TEST(EpLowLatency, Hidden7168OnExactSizeHint) {
 // times must not end up waiting on each other in a cycle (every wait keeps MPI moving).
 TEST(EpLowLatency, LargeMessagesStaggeredRoundTrips) {
   const int R = num_ranks(), me = my_rank();
-  LLSpec s;
-  s.hidden = 7168;
-  s.experts_per_rank = 2;
-  s.topk = std::min(8, 2 * R);
-  s.max_tokens = 64;
-  s.tokens = tokens_per_rank([](int) { return int64_t{64}; });
-  s.seed = 1200;
+  LLSpec s = ll_spec(7168, 2, std::min(8, 2 * R), 64, tokens_per_rank([](int) { return int64_t{64}; }), 1200);
   const LLWorld w = make_ll_world(s);
   BufferOptions o;
   o.timeout_s = 30;
@@ -1252,13 +1193,7 @@ TEST(EpLowLatency, LargeMessagesStaggeredRoundTrips) {
 // ep.md "a pressure mode reruns 20 times and compares hashes (determinism)".
 TEST(EpLowLatency, DeterministicOver20Runs) {
   const int R = num_ranks();
-  LLSpec s;
-  s.hidden = 512;
-  s.experts_per_rank = 3;
-  s.topk = std::min(6, 3 * R);
-  s.max_tokens = 16;
-  s.tokens = tokens_per_rank([](int i) { return int64_t{9} + (7 * i) % 8; });
-  s.seed = 800;
+  LLSpec s = ll_spec(512, 3, std::min(6, 3 * R), 16, tokens_per_rank([](int i) { return int64_t{9} + (7 * i) % 8; }), 800);
   const LLWorld w = make_ll_world(s);
   BufferGuard buf = make_ll_buffer(w.hint());
   for (Fmt f : {Fmt::fp8_round, Fmt::bf16}) {
@@ -1290,13 +1225,7 @@ TEST(EpLowLatency, DeterministicOver20Runs) {
 // buffer still works afterwards.
 TEST(EpLowLatency, BadArgumentsRaiseOnEveryRank) {
   const int R = num_ranks(), me = my_rank();
-  LLSpec s;
-  s.hidden = 256;
-  s.experts_per_rank = 2;
-  s.topk = std::min(4, 2 * R);
-  s.max_tokens = 8;
-  s.tokens = tokens_per_rank([](int i) { return int64_t{3} + i % 6; });  // every rank has tokens
-  s.seed = 900;
+  LLSpec s = ll_spec(256, 2, std::min(4, 2 * R), 8, tokens_per_rank([](int i) { return int64_t{3} + i % 6; }), 900);  // every rank has tokens
   const LLWorld w = make_ll_world(s);
   const int64_t T = w.T(me), H = w.H;
   BufferOptions o;
@@ -1450,13 +1379,7 @@ TEST(EpLowLatency, BadArgumentsRaiseOnEveryRank) {
 TEST(EpLowLatency, BadInputOnOneRankRaisesOnEveryRank) {
   const int R = num_ranks(), me = my_rank();
   if (R < 2) GTEST_SKIP() << "needs two ranks";
-  LLSpec s;
-  s.hidden = 256;
-  s.experts_per_rank = 2;
-  s.topk = 4;
-  s.max_tokens = 8;
-  s.tokens = tokens_per_rank([](int i) { return int64_t{2} + i % 7; });
-  s.seed = 950;
+  LLSpec s = ll_spec(256, 2, 4, 8, tokens_per_rank([](int i) { return int64_t{2} + i % 7; }), 950);
   const LLWorld w = make_ll_world(s);
   BufferOptions o;
   o.timeout_s = 10;
@@ -1533,14 +1456,7 @@ TEST(EpLowLatency, MaskedRankIsSkipped) {
   const int R = num_ranks(), me = my_rank();
   if (R < 2) GTEST_SKIP() << "needs two ranks";
   const int m = R - 1;
-  LLSpec s;
-  s.hidden = 256;
-  s.experts_per_rank = 2;
-  s.topk = std::min(4, 2 * R);
-  s.max_tokens = 10;
-  s.tokens = tokens_per_rank([](int i) { return int64_t{4} + (3 * i) % 7; });
-  s.seed = 1000;
-  s.data = Data::rank_encoded;
+  LLSpec s = ll_spec(256, 2, std::min(4, 2 * R), 10, tokens_per_rank([](int i) { return int64_t{4} + (3 * i) % 7; }), 1000, Data::rank_encoded);
   const LLWorld w = make_ll_world(s);
   std::vector<int> masked = no_mask();
   masked[static_cast<size_t>(m)] = 1;

@@ -5,8 +5,9 @@
 // a sender writes its rows straight into the receiver's memory (the analogue of DeepEP's
 // NVLink buffers), so each dispatched byte is copied exactly once. The received tensors
 // live in that shared memory and stay valid for as long as the caller holds them. Across
-// nodes (normal mode), each token crosses MPI once per destination node and is forwarded
-// within the node (DeepEP's internode scheme); low-latency mode is one node only for now.
+// nodes, normal mode sends each token over MPI once per destination node and forwards it
+// within the node (DeepEP's internode scheme); low-latency mode sends one MPI message per
+// rank of another node and direction (as DeepEP writes to every rank over RDMA).
 //
 // The caller initialises MPI (MPI_Init_thread, at least MPI_THREAD_FUNNELED) and calls every
 // Buffer operation from the thread that initialised it, on every rank, in the same order.
