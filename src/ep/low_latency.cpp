@@ -224,10 +224,17 @@ void check_source_errors(const Buffer::Impl& m, const char* fn, const Inbox& in,
            "rank " + std::to_string(g) + " rejected its arguments (see its error)");
 }
 
+// The ranks low-latency messages go to: the unmasked ranks of other nodes.
+std::vector<int> remote_targets(const Buffer::Impl& m) {
+  std::vector<int> out;
+  for (int g = 0; g < m.num_ranks; ++g)
+    if (!m.on_node(g) && !m.masked[static_cast<size_t>(g)]) out.push_back(g);
+  return out;
+}
+
 // The metadata-only message that tells the ranks of other nodes this rank gave up a call.
 void post_error_messages(Buffer::Impl& m, const char* fn, int tag, uint64_t call) {
-  for (int g = 0; g < m.num_ranks; ++g) {
-    if (m.on_node(g) || m.masked[static_cast<size_t>(g)]) continue;
+  for (int g : remote_targets(m)) {
     auto msg = m.message_buffer(kMetaCount * 8);
     auto* meta = reinterpret_cast<uint64_t*>(msg->data());
     std::fill_n(meta, kMetaCount, 0);
@@ -342,8 +349,7 @@ void post_dispatch_messages(Buffer::Impl& m, const char* own, const LLLayout& L,
                             size_t row_bytes, size_t sc_bytes) {
   const auto T = static_cast<int64_t>(meta[kLLTokens]), k = static_cast<int64_t>(meta[kLLTopk]);
   const auto* topk = reinterpret_cast<const int32_t*>(own + L.send_topk);
-  for (int g = 0; g < m.num_ranks; ++g) {
-    if (m.on_node(g) || m.masked[static_cast<size_t>(g)]) continue;
+  for (int g : remote_targets(m)) {
     const auto sent = tokens_for_experts(topk, T, k, g * L.local_experts, L.local_experts);
     const auto rows = static_cast<int64_t>(sent.size());
     const LLMessage layout(T, k, rows, row_bytes, sc_bytes);
@@ -379,8 +385,7 @@ void post_combine_messages(Buffer::Impl& m, const LLHandleState& st, const Tenso
   const size_t row_bytes = static_cast<size_t>(L.hidden) * 2;
   const char* own = m.peers[static_cast<size_t>(m.local_rank)].low_latency->data() + static_cast<size_t>(st.half) * m.ll_half_stride();
   const auto* range = reinterpret_cast<const int64_t*>(own + L.layout_range);
-  for (int g = 0; g < R; ++g) {
-    if (m.on_node(g) || m.masked[static_cast<size_t>(g)]) continue;
+  for (int g : remote_targets(m)) {
     int64_t rows = 0;
     for (int64_t e = 0; e < L.local_experts; ++e) rows += range[e * R + g] & 0xffffffff;
     const LLMessage layout(0, 0, rows, row_bytes, 0);
