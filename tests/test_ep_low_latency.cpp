@@ -1063,6 +1063,45 @@ TEST(EpLowLatency, TwoMicroBatchesWithHooks) {
   EXPECT_EQ(vector_of<int32_t>(stats), want) << "cumulative_local_expert_recv_stats after four hooked dispatches";
 }
 
+// A result more than two dispatches old has had its half rewritten: combining with its handle
+// must raise an Error on every rank that has tokens to combine (same node: the expert rank's
+// layout no longer matches; other node: its message holds the wrong number of rows), never
+// read out of bounds or return garbage. Every token of A routes somewhere; C routes nothing,
+// so C's layout differs from A's for every token.
+TEST(EpLowLatency, CombineWithStaleHandleRaises) {
+  const int R = num_ranks();
+  LLSpec sa = ll_spec(256, 2, std::min(4, 2 * R), 8, tokens_per_rank([](int) { return int64_t{8}; }), 570);
+  sa.p_drop_entry = 0;
+  sa.p_drop_token = 0;
+  LLSpec sc = sa;
+  sc.seed = 571;
+  sc.router = [](int, int64_t, int64_t* row, float*) { std::fill_n(row, 4, int64_t{-1}); };
+  sc.topk = 4;
+  LLSpec sb = sa;
+  sb.seed = 572;
+  const LLWorld wa = make_ll_world(sa), wb = make_ll_world(sb), wc = make_ll_world(sc);
+  BufferOptions o;
+  o.timeout_s = 20;
+  BufferGuard buf = make_ll_buffer(std::max(wa.hint(), wc.hint()), o);
+  LowLatencyDispatchResult a, b, c;
+  if (!collective_step("dispatch A, B, C (C reuses A's half)", [&] {
+        a = run_dispatch(*buf, dispatch_args(wa, Fmt::bf16, Completion::sync), Completion::sync);
+        b = run_dispatch(*buf, dispatch_args(wb, Fmt::bf16, Completion::sync), Completion::sync);
+        c = run_dispatch(*buf, dispatch_args(wc, Fmt::bf16, Completion::sync), Completion::sync);
+      }))
+    return;
+  Tensor y = Tensor::zeros({wa.El, wa.slots(), wa.H}, DType::bf16);
+  try {
+    (void)run_combine(*buf, combine_args(wa, a, y, Completion::sync), Completion::sync);
+    ADD_FAILURE() << "combine with a handle three dispatches old returned";
+  } catch (const TimeoutError& e) {
+    ADD_FAILURE() << "a TimeoutError, not the stale-handle Error: " << e.what();
+  } catch (const moekit::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("two dispatches old"), std::string::npos) << e.what();
+  }
+  polite_barrier();
+}
+
 // A hook only waits: the receive runs in the background from the dispatch on (upstream's
 // data arrives by RDMA whether or not the hook was called). So three dispatches in a row
 // complete with no hook called in between: the third reuses the first's half, which needs
