@@ -673,6 +673,41 @@ TEST(QuantCastBack, Bf16OutputIsRneOfTheF32Product) {
   });
 }
 
+// Every code under scales the fast dequantisation path must not take (|sf| ≥ 2^120, where
+// sf·2^8 overflows; inf; NaN) and under ordinary ones around them (negative, zero, f32
+// subnormal, products that round up to inf in bf16), for each group layout (gran 32 and 256:
+// block loop; gran = k = 1024: span loop) and output type. Every ISA must give the oracle's
+// value and the scalar ISA's exact bytes (NaN payloads included).
+TEST(QuantCastBack, EveryCodeUnderExtremeScales) {
+  const float scales[] = {0x1.8p119f, 0x1p120f, 0x1.fffffep127f, INFINITY, -INFINITY, NAN, -2.5f, 0.0f, -0.0f,
+                          1e-40f, 0x1.4p-126f, 0x1.fep119f, 0x1.fffp111f, 1.0f};
+  constexpr int64_t kScales = std::size(scales);
+  for (bool fp4 : {false, true}) {
+    const int64_t k = fp4 ? 512 : 256;  // every byte once: 256 e4m3 codes, or all 256 nibble pairs
+    for (int64_t gran : {int64_t{32}, int64_t{256}, int64_t{1024}}) {
+      const int64_t cols = gran == 1024 ? 1024 : k;  // gran 1024: the codes four times over, one group per row
+      SCOPED_TRACE(std::string(fp4 ? "fp4" : "fp8") + " gran " + std::to_string(gran));
+      Tensor q = Tensor::empty({kScales, fp4 ? cols / 2 : cols}, fp4 ? DType::e2m1x2 : DType::e4m3);
+      for (int64_t i = 0; i < q.numel(); ++i) q.data_ptr<uint8_t>()[i] = static_cast<uint8_t>(i);
+      const int64_t groups = cdiv(cols, gran);
+      Tensor sf = Tensor::empty({kScales, groups}, DType::f32);
+      for (int64_t r = 0; r < kScales; ++r)  // each row its own scale; gran 32 also mixes them within a row
+        for (int64_t g = 0; g < groups; ++g) sf.data_ptr<float>()[r * groups + g] = scales[(r + (gran == 32 ? g : 0)) % kScales];
+      const std::vector<double> want = ref::dequantize(q, sf, 1, gran, cols);
+      for (DType out_dtype : {DType::f32, DType::bf16}) {
+        SCOPED_TRACE(std::string("out=") + dtype_name(out_dtype));
+        Tensor scalar_out;
+        for_each_isa([&](Isa isa) {
+          const Tensor out = fp4 ? cast_back_from_fp4(q, sf, out_dtype, 1, gran, cols) : cast_back_from_fp8(q, sf, out_dtype, 1, gran);
+          EXPECT_TRUE(matches_dequantized(out, want));
+          if (isa == Isa::scalar) scalar_out = out;
+          else EXPECT_TRUE(same_tensor_bytes("vs scalar ISA", out, scalar_out));
+        });
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------- error bounds, calc_diff
 Tensor random_normal(int64_t m, int64_t k, uint64_t seed) {
   Tensor t = Tensor::empty({m, k}, DType::f32);

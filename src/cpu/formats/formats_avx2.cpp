@@ -184,6 +184,41 @@ struct V {
     put<Stream>(p + 16, _mm256_permute2x128_si256(a, b, 0x31));
   }
 
+  // ---- dequantisation through f16 (formats_simd.inc: dequantize_block) ----
+  // 32 e4m3 codes as f32 · scale256 in natural order; false, with nothing done, when one of
+  // them is NaN. Unpacking against zero gives code << 8; an arithmetic shift right by one
+  // and clearing bit 14 leaves sign, then the 7 magnitude bits at f16's exponent/mantissa.
+  static constexpr bool kF16Decode = true;
+  static bool decode_e4m3_x4(const uint8_t* p, F scale256, F v[4]) {
+    const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i magnitude = _mm256_set1_epi8(0x7f);
+    if (_mm256_movemask_epi8(_mm256_cmpeq_epi8(_mm256_and_si256(codes, magnitude), magnitude))) return false;
+    const __m128i zero = _mm_setzero_si128(), keep = _mm_set1_epi16(static_cast<short>(0xbfff));
+    const __m128i lo = _mm256_castsi256_si128(codes), hi = _mm256_extracti128_si256(codes, 1);
+    auto half = [&](__m128i shifted) { return _mm256_cvtph_ps(_mm_and_si128(_mm_srai_epi16(shifted, 1), keep)); };
+    v[0] = _mm256_mul_ps(half(_mm_unpacklo_epi8(zero, lo)), scale256);
+    v[1] = _mm256_mul_ps(half(_mm_unpackhi_epi8(zero, lo)), scale256);
+    v[2] = _mm256_mul_ps(half(_mm_unpacklo_epi8(zero, hi)), scale256);
+    v[3] = _mm256_mul_ps(half(_mm_unpackhi_epi8(zero, hi)), scale256);
+    return true;
+  }
+  // Stores 32 values given in natural order (no NaN among them).
+  template <bool Stream>
+  static void store_natural_x4(float* p, const F v[4]) {
+    for (int j = 0; j < 4; ++j) put<Stream>(p + 8 * j, bits(v[j]));
+  }
+  template <bool Stream>
+  static void store_natural_x4(uint16_t* p, const F v[4]) {
+    __m256i r[4];
+    for (int j = 0; j < 4; ++j) {  // round to nearest even; inf stays inf
+      const __m256i b = bits(v[j]);
+      r[j] = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1)))), 16);
+    }
+    // packus of lanes e[0-7] and e[8-15] interleaves their 128-bit halves; the qword permute restores order.
+    put<Stream>(p, _mm256_permute4x64_epi64(_mm256_packus_epi32(r[0], r[1]), 0xd8));
+    put<Stream>(p + 16, _mm256_permute4x64_epi64(_mm256_packus_epi32(r[2], r[3]), 0xd8));
+  }
+
   static I load_nibble_pairs(const uint8_t* p) {
     int32_t word;
     std::memcpy(&word, p, 4);

@@ -15,6 +15,7 @@ struct V {
   static constexpr bool kCustomBlocks = false;  // natural lane order (formats_simd.inc)
   static constexpr bool kFastCasts = false;     // casts divide and use encode_magnitude
   static constexpr bool kBf16Amax = false;      // amax_groups widens bf16 like f32
+  static constexpr bool kF16Decode = false;     // e4m3 decodes by bit arithmetic
   static void fence() {}  // no streaming stores on this target
   static constexpr int N = 8;
   struct F { float v[N]; };
