@@ -18,14 +18,20 @@ struct FormatKernels {
   void (*amax_groups[2])(const void* x, int64_t n, int64_t gran, float* out);
   // acc[i] = max(acc[i], |x[i]|).
   void (*amax_accumulate[2])(const void* x, int64_t n, float* acc);
+  // The same for bf16 x on |x| bf16 bit patterns (acc[i] << 16 is amax_accumulate's float);
+  // null on targets without a faster 16-bit kernel.
+  void (*amax_accumulate_bf16)(const uint16_t* x, int64_t n, uint16_t* acc);
+  // out = in reordered for quantize's per-element reciprocals (inv, below); n elements.
+  void (*block_order)(const float* in, float* out, int64_t n);
   // q = narrow(x / sf[i / gran]); e2m1: n values into ceil(n/2) bytes, gran even or >= n.
   // stream = true: non-temporal stores (for outputs far larger than the cache).
   // prefetch (may be null): n elements the caller reads next, requested into L2 meanwhile.
   // scales_from_amax: each sf is the cast's scale for its own group's amax (so |x/sf| is
   // bounded by the format's max finite), which lets the encoder skip saturation.
-  // inv (gran 1 only, may be null): RN(1/sf[i]) for every element, passed only with
-  // scales_from_amax when every sf is a positive normal number; it lets fast targets skip
-  // most of the per-element divisions (see reciprocal_codes in formats_simd.inc).
+  // inv (gran 1 only, may be null): RN(1/sf[i]) for every element, reordered by
+  // block_order, passed only with scales_from_amax when every sf is a positive normal number;
+  // it lets fast targets skip most of the per-element divisions (see reciprocal_codes in
+  // formats_simd.inc).
   void (*quantize[3][2])(const void* x, uint8_t* q, int64_t n, const float* sf, int64_t gran, bool stream,
                          const void* prefetch, bool scales_from_amax, const float* inv);
   // out = wide(decode(q) * sf[i / gran]).

@@ -188,23 +188,35 @@ void per_channel_cast_to_fp8_into(const Tensor& x, const Tensor& q, const Tensor
   const auto& kern = detail::format_kernels();
   const int wide = static_cast<int>(wide_of(x));
   const bool stream = streaming(q);
+  // bf16 amaxes on 16-bit patterns where the target has that kernel (same bits).
+  const bool bf16_acc = x.dtype() == DType::bf16 && kern.amax_accumulate_bf16 != nullptr;
 #pragma omp parallel num_threads(threads_for(k * mn))
   {
-    std::vector<float> inv(static_cast<size_t>(mn));
+    std::vector<float> inv(static_cast<size_t>(mn)), inv_ordered(static_cast<size_t>(mn));
+    std::vector<uint16_t> acc(bf16_acc ? static_cast<size_t>(mn) : 0);
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < ceil_div(k, gran_k); ++g) {
       const int64_t r0 = g * gran_k, r1 = r0 + std::min(gran_k, k - r0);
       float* s = reinterpret_cast<float*>(row_ptr_mut(sf, g));
-      std::fill(s, s + mn, 0.0f);
-      for (int64_t r = r0; r < r1; ++r) kern.amax_accumulate[wide](row_ptr(x, r), mn, s);
+      if (bf16_acc) {
+        std::fill(acc.begin(), acc.end(), uint16_t{0});
+        for (int64_t r = r0; r < r1; ++r)
+          kern.amax_accumulate_bf16(reinterpret_cast<const uint16_t*>(row_ptr(x, r)), mn, acc.data());
+        for (int64_t c = 0; c < mn; ++c) s[c] = std::bit_cast<float>(static_cast<uint32_t>(acc[static_cast<size_t>(c)]) << 16);
+      } else {
+        std::fill(s, s + mn, 0.0f);
+        for (int64_t r = r0; r < r1; ++r) kern.amax_accumulate[wide](row_ptr(x, r), mn, s);
+      }
       finish_scales(s, mn, kE4m3Max, use_ue8m0);
       // The group's rows share these scales: their reciprocals, once, spare the kernel a
-      // division per element (only where every scale is a positive normal, as it requires).
+      // division per element (only where every scale is a positive normal, as it requires),
+      // in the kernel's block order so that it loads them without shuffles.
       const bool normal = reciprocals(s, mn, inv.data());
+      if (normal) kern.block_order(inv.data(), inv_ordered.data(), mn);
       for (int64_t r = r0; r < r1; ++r)
         kern.quantize[static_cast<int>(Narrow::e4m3)][wide](row_ptr(x, r), reinterpret_cast<uint8_t*>(row_ptr_mut(q, r)), mn, s, 1, stream,
                                                             gran_k < k - r ? row_ptr(x, r + gran_k) : nullptr, true,
-                                                            normal ? inv.data() : nullptr);
+                                                            normal ? inv_ordered.data() : nullptr);
     }
   }
 }
