@@ -7,6 +7,7 @@
 #include <random>
 
 #include "moekit/formats.h"
+#include "peak.h"
 #include <nlohmann/json.hpp>
 
 namespace moekit::tools {
@@ -50,6 +51,27 @@ std::pair<Timing, Timing> time_interleaved(const std::function<void()>& fn, cons
     return Timing{v[v.size() / 2], v.front(), repeats};
   };
   return {summarise(a), summarise(b)};
+}
+
+void RunCeilings::remeasure(bool flops, bool read_bw) {
+  if (flops) bf16_tflops = std::max(bf16_tflops, measure_bf16_flops(quick ? 1 : 2) / 1e12);
+  if (read_bw) read_gbps = std::max(read_gbps, measure_read_bandwidth(int64_t{512} << 20, quick ? 1 : 2) / 1e9);
+}
+
+void RunCeilings::finish(Row& row) const {
+  if (row.ceiling == "bf16_flops") row.ceiling_value = bf16_tflops;
+  else if (row.ceiling == "read_bw") row.ceiling_value = read_gbps;
+  if (row.roofline_bytes < 0 || row.roofline_flops < 0 || read_gbps <= 0 || bf16_tflops <= 0) return;
+  const double t_mem = row.roofline_bytes / (read_gbps * 1e9), t_flop = row.roofline_flops / (bf16_tflops * 1e12);
+  row.notes["bound"] = t_mem >= t_flop ? "memory" : "compute";
+  row.notes["pct_of_roofline"] = fmt::format("{:.1f}", 100.0 * std::max(t_mem, t_flop) / (row.time.median_us * 1e-6));
+}
+
+std::map<std::string, double> RunCeilings::header(bool flops, bool read_bw) const {
+  std::map<std::string, double> out;
+  if (flops) out["bf16_flops_TFLOPs"] = bf16_tflops;
+  if (read_bw) out["read_bw_GBps"] = read_gbps;
+  return out;
 }
 
 void Reporter::header(const std::string& suite, const std::map<std::string, double>& ceilings) {

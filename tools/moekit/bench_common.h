@@ -41,6 +41,20 @@ struct Row {
   double calc_diff = -1;
   std::map<std::string, int64_t> sizes;       // m, n, k, ...
   std::map<std::string, std::string> notes;   // extra facts (bit_exact, checked_rows, ...)
+  // Set (>= 0) for rows judged against the roofline max(bytes / read_bw, flops / bf16_flops):
+  // RunCeilings::finish adds the notes "bound" and "pct_of_roofline".
+  double roofline_bytes = -1, roofline_flops = -1;
+};
+
+// This host is shared, so a ceiling measured at a bad moment would flatter every row. Suites
+// re-measure between problems; finish() judges every row against the best figures of the
+// whole run (the header prints the same figures).
+struct RunCeilings {
+  double bf16_tflops = 0, read_gbps = 0;
+  bool quick = false;
+  void remeasure(bool flops, bool read_bw);
+  void finish(Row& row) const;
+  std::map<std::string, double> header(bool flops, bool read_bw) const;
 };
 
 struct Reporter {

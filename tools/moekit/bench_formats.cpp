@@ -43,8 +43,9 @@ void bench_formats(const BenchOptions& o) {
   // The machine is shared: the read-bandwidth ceiling is re-measured before every row and
   // the best figure of the whole run is the ceiling for all rows (a ceiling caught at a bad
   // moment would flatter them). Rows are printed once the run is over.
-  double read_bw = 0;
-  auto remeasure = [&] { read_bw = std::max(read_bw, measure_read_bandwidth(int64_t{512} << 20, o.quick ? 2 : 3) / 1e9); };
+  RunCeilings ceilings;
+  ceilings.quick = o.quick;
+  auto remeasure = [&] { ceilings.remeasure(false, true); };
   std::vector<Row> rows_out;
 
   const Tensor x = random_bf16(rows, cols, 1, true);
@@ -130,9 +131,9 @@ void bench_formats(const BenchOptions& o) {
   }
   remeasure();
   Reporter rep{o.json};
-  rep.header("formats", {{"read_bw_GBps", read_bw}});
+  rep.header("formats", ceilings.header(false, true));
   for (Row& row : rows_out) {
-    row.ceiling_value = read_bw;
+    ceilings.finish(row);
     rep.print(row);
   }
 }

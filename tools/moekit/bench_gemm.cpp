@@ -96,10 +96,8 @@ double corner_diff(const Tensor& d, const ref::Operand& a, const ref::Operand& b
 }  // namespace
 
 void bench_gemm(const BenchOptions& o) {
-  const double bf16_flops = measure_bf16_flops(3) / 1e12;  // TFLOP/s
-  double read_bw = 0;
-  auto remeasure_bw = [&] { read_bw = std::max(read_bw, measure_read_bandwidth(int64_t{512} << 20, 2) / 1e9); };
-  remeasure_bw();
+  RunCeilings ceilings;
+  ceilings.quick = o.quick;
   OneDnnGemm onednn;
   const bool dnnl_bf16 = onednn.bf16_available(16, 16, 16);
   const std::string peer_name = dnnl_bf16 ? "onednn bf16 matmul" : "onednn sgemm(f32)";
@@ -123,6 +121,7 @@ void bench_gemm(const BenchOptions& o) {
 
   enum class Kind { bf16, fp8, fp4 };
   for (const auto& [m, n, k] : problems) {
+      ceilings.remeasure(true, true);
       const Tensor xa = random_bf16(m, k, 1), xb = random_bf16(n, k, 2);
       const Tensor fa = dnnl_bf16 ? Tensor() : to_f32(xa), fb = dnnl_bf16 ? Tensor() : to_f32(xb);
       const Tensor d = Tensor::zeros({m, n}, DType::bf16), dpeer = Tensor::zeros({m, n}, DType::f32);
@@ -202,9 +201,7 @@ void bench_gemm(const BenchOptions& o) {
           row.notes["tflops"] = fmt::format("{:.4f}", flops / (row.time.median_us * 1e6));
           // Which ceiling binds (on AVX2, M = 16 and even M = 4 are compute-bound), and the
           // time against the roofline max(bytes / read_bw, flops / bf16_flops).
-          const double t_mem = bytes / (read_bw * 1e9), t_flop = flops / (bf16_flops * 1e12);
-          row.notes["bound"] = t_mem >= t_flop ? "memory" : "compute";
-          row.notes["pct_of_roofline"] = fmt::format("{:.1f}", 100.0 * std::max(t_mem, t_flop) / (row.time.median_us * 1e-6));
+          row.roofline_bytes = bytes, row.roofline_flops = flops;
         } else {
           row.tflops = flops / (row.time.median_us * 1e6);
           row.ceiling = "bf16_flops";
@@ -212,11 +209,11 @@ void bench_gemm(const BenchOptions& o) {
         rows_out.push_back(row);
       }
     }
-  remeasure_bw();
+  ceilings.remeasure(true, true);
   Reporter rep{o.json};
-  rep.header("gemm", {{"bf16_flops_TFLOPs", bf16_flops}, {"read_bw_GBps", read_bw}});
+  rep.header("gemm", ceilings.header(true, true));
   for (Row& row : rows_out) {
-    row.ceiling_value = row.ceiling == "read_bw" ? read_bw : bf16_flops;
+    ceilings.finish(row);
     rep.print(row);
   }
 }

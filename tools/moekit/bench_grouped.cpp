@@ -71,8 +71,9 @@ Quantized random_fp4_weights(int64_t groups, int64_t n, int64_t k, uint64_t seed
 }  // namespace
 
 void bench_grouped(const BenchOptions& o) {
-  const double bf16_flops = measure_bf16_flops(3) / 1e12;
-  double read_bw = measure_read_bandwidth(int64_t{512} << 20, 2) / 1e9;
+  RunCeilings ceilings;
+  ceilings.quick = o.quick;
+  ceilings.remeasure(true, true);
   std::vector<Row> rows_out;
   const int repeats = o.quick ? 2 : std::min(o.repeats, 5);
   std::mt19937_64 rng(7);
@@ -131,8 +132,7 @@ void bench_grouped(const BenchOptions& o) {
       row.threads = num_threads();
       row.tflops = flops / (row.time.median_us * 1e6);
       row.ceiling = "bf16_flops";
-      row.ceiling_value = bf16_flops;
-      row.peer = "per-group dequant+onednn sgemm";
+        row.peer = "per-group dequant+onednn sgemm";
       row.sizes = {{"groups", groups}, {"m", valid}, {"n", n}, {"k", k}};
       row.notes = {{"dense_us", fmt::format("{:.0f}", dense.median_us)},
                    {"vs_dense_same_m", fmt::format("{:.2f}", dense.median_us / row.time.median_us)},
@@ -141,6 +141,7 @@ void bench_grouped(const BenchOptions& o) {
     }
 
   // ---- masked (decode: memory-bound for m <= 20) ----
+  ceilings.remeasure(true, true);
   std::vector<std::pair<int64_t, int64_t>> masked = {{32, 20}, {6, 20}, {32, 192}};
   int64_t mn = 4096, mk = 7168;
   if (o.quick) masked = {{4, 8}}, mn = 256, mk = 512;
@@ -187,19 +188,17 @@ void bench_grouped(const BenchOptions& o) {
     row.threads = num_threads();
     row.gbps = weight_bytes / (row.time.median_us * 1e3);
     row.ceiling = "read_bw";
-    row.ceiling_value = read_bw;
     row.peer = "per-group dequant+onednn sgemm";
     row.sizes = {{"groups", groups}, {"m", m}, {"n", mn}, {"k", mk}};
-    const double t_mem = weight_bytes / (read_bw * 1e9), t_flop = flops / (bf16_flops * 1e12);
+    row.roofline_bytes = weight_bytes, row.roofline_flops = flops;
     row.notes = {{"tflops", fmt::format("{:.4f}", flops / (row.time.median_us * 1e6))},
-                 {"bound", t_mem >= t_flop ? "memory" : "compute"},
-                 {"pct_of_roofline", fmt::format("{:.1f}", 100.0 * std::max(t_mem, t_flop) / (row.time.median_us * 1e-6))},
                  {"ok_vs_oracle", row.calc_diff <= 1e-5 ? "yes" : "NO"}};
     if (fp4) row.notes["recipe"] = "1,1,32 ue8m0";
     rows_out.push_back(row);
   }
 
   // ---- k-grouped (weight gradient), bf16 ----
+  ceilings.remeasure(true, true);
   {
     const int64_t groups = 4, m = o.quick ? 128 : 4096, n = o.quick ? 256 : 7168, k = o.quick ? 64 : 512;
     const Tensor a = random_bf16(groups * k, m, 5), b = random_bf16(groups * k, n, 6);
@@ -230,18 +229,17 @@ void bench_grouped(const BenchOptions& o) {
     row.threads = num_threads();
     row.tflops = flops / (row.time.median_us * 1e6);
     row.ceiling = "bf16_flops";
-    row.ceiling_value = bf16_flops;
     row.peer = "per-group onednn sgemm(f32)";
     row.sizes = {{"groups", groups}, {"m", m}, {"n", n}, {"k", k}};
     row.notes = {{"ok_vs_oracle", row.calc_diff <= 1e-5 ? "yes" : "NO"}, {"c", "accumulate in place"}};
     rows_out.push_back(row);
   }
 
-  read_bw = std::max(read_bw, measure_read_bandwidth(int64_t{512} << 20, 2) / 1e9);
+  ceilings.remeasure(true, true);
   Reporter rep{o.json};
-  rep.header("grouped", {{"bf16_flops_TFLOPs", bf16_flops}, {"read_bw_GBps", read_bw}});
+  rep.header("grouped", ceilings.header(true, true));
   for (Row& row : rows_out) {
-    if (row.ceiling == "read_bw") row.ceiling_value = read_bw;
+    ceilings.finish(row);
     rep.print(row);
   }
 }
