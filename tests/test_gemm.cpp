@@ -172,22 +172,35 @@ void call(const Case& cs, const Built& a, const Built& b, const Tensor& d, const
 
 // Runs one case under the active ISA; checks it against the oracle on the same stored
 // inputs and returns D (f32 copy) for cross-path comparisons.
-std::vector<double> check_case(const Case& cs, uint64_t seed) {
-  SCOPED_TRACE(cs.str());
+// The operands, C and the GEMM's output of one case (under the active ISA).
+struct CaseRun {
+  Built a, b;
+  Tensor c0;
+  std::vector<double> got;
+};
+CaseRun run_case(const Case& cs, uint64_t seed) {
   const Tensor xa = random_bf16(cs.m, cs.k, seed), xb = random_bf16(cs.n, cs.k, seed + 1);
-  const Built a = build(xa, cs.fa, a_k_major(cs.layout), cs.ue8m0);
-  const Built b = build(xb, cs.fb, b_k_major(cs.layout), cs.ue8m0);
-  Tensor c0, d = Tensor::empty({cs.m, cs.n}, cs.out);
+  CaseRun r{build(xa, cs.fa, a_k_major(cs.layout), cs.ue8m0), build(xb, cs.fb, b_k_major(cs.layout), cs.ue8m0), Tensor(), {}};
+  Tensor d = Tensor::empty({cs.m, cs.n}, cs.out);
   if (cs.c != CMode::none) {
     const Tensor cb = random_bf16(cs.m, cs.n, seed + 2);
-    c0 = Tensor::empty({cs.m, cs.n}, cs.out);
-    convert(cb, c0);
-    if (cs.c == CMode::in_place) d.copy_from(c0);
+    r.c0 = Tensor::empty({cs.m, cs.n}, cs.out);
+    convert(cb, r.c0);
+    if (cs.c == CMode::in_place) d.copy_from(r.c0);
   }
-  const Tensor c = cs.c == CMode::separate ? c0 : cs.c == CMode::in_place ? d : Tensor();
-  call(cs, a, b, d, c);
+  const Tensor c = cs.c == CMode::separate ? r.c0 : cs.c == CMode::in_place ? d : Tensor();
+  call(cs, r.a, r.b, d, c);
+  r.got = ref::to_f64(d);
+  return r;
+}
+
+std::vector<double> check_case(const Case& cs, uint64_t seed) {
+  SCOPED_TRACE(cs.str());
+  const CaseRun run = run_case(cs, seed);
+  const Built &a = run.a, &b = run.b;
+  const Tensor& c0 = run.c0;
+  const std::vector<double>& got = run.got;
   const std::vector<double> want = ref::gemm(cs.layout, a.ref, b.ref, c0);
-  const std::vector<double> got = ref::to_f64(d);
   const double diff = ref::calc_diff(got, want);
   EXPECT_LE(diff, 1e-5);
   // Element-wise, against the classic bound for f32 accumulation of K terms:
@@ -211,6 +224,16 @@ void check_case_on_every_isa(const Case& cs, uint64_t seed) {
     const std::vector<double> got = check_case(cs, seed);
     if (first.empty()) first = got;
     else EXPECT_EQ(0, std::memcmp(first.data(), got.data(), got.size() * sizeof(double))) << cs.str();
+  });
+}
+
+// The same with the (slow) oracle run once, under the active ISA; the other ISA paths must
+// give its bits.
+void check_case_then_compare_isas(const Case& cs, uint64_t seed) {
+  const std::vector<double> want = check_case(cs, seed);
+  for_each_isa([&](Isa) {
+    const std::vector<double> got = run_case(cs, seed).got;
+    EXPECT_EQ(0, std::memcmp(want.data(), got.data(), got.size() * sizeof(double))) << cs.str();
   });
 }
 
@@ -264,11 +287,30 @@ TEST(Gemm, AwkwardShapes) {
       }
 }
 
-// A large-enough problem to take the multi-threaded, multi-block path (several K blocks,
-// row and column blocks); results must not depend on the thread count.
+// Row blocks of more than one register panel per thread take the blocked drivers: the
+// short-K order (K up to 6 blocks: partial sums kept per row block through all of K) and
+// the general one (more K blocks). Both, for every layout, several formats and C modes,
+// with one and two threads (2 x 115 rows: still more than one row block each); N = 40 is three
+// register panels, the last one partial. Every ISA path must give the same bits.
+TEST(Gemm, BlockedDriversMatchOracle) {
+  ThreadGuard guard;
+  uint64_t seed = 3000;
+  for (int threads : {1, 2}) {
+    set_num_threads(threads);
+    for (Layout layout : kLayouts)
+      for (int64_t k : {300, 1700}) {  // 2 K blocks (short K), 7 (general)
+        check_case_then_compare_isas({layout, Fmt::bf16, Fmt::bf16, 230, 40, k, DType::f32, CMode::in_place, false}, seed++);
+        check_case_then_compare_isas({layout, Fmt::fp8_token, Fmt::fp8_block, 230, 40, k, DType::bf16, CMode::separate, false}, seed++);
+        check_case_then_compare_isas({layout, Fmt::fp8_token, Fmt::fp4, 230, 40, k, DType::f32, CMode::none, true}, seed++);
+      }
+  }
+}
+
+// A large-enough problem to take the multi-threaded, multi-block paths (several K blocks,
+// row and column blocks; short and long K); results must not depend on the thread count.
 TEST(Gemm, BitIdenticalAcrossThreadCounts) {
   ThreadGuard guard;
-  for (auto [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{200, 1100, 600}, {3, 700, 1000}}) {
+  for (auto [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{200, 1100, 600}, {230, 300, 1800}, {3, 700, 1000}}) {
     const Tensor xa = random_bf16(m, k, 7), xb = random_bf16(n, k, 8);
     const Quantized qa = per_token_cast_to_fp8(xa, false), qb = per_block_cast_to_fp8(xb, false);
     std::vector<std::vector<float>> results;
