@@ -150,65 +150,40 @@ void sweep(const detail::GemmKernels& kern, const float* pa, const float* pb, in
   }
 }
 
-// Bytes of packed B a narrow item keeps for a whole column block (all of K).
-constexpr int64_t kNarrowBBytes = int64_t{4} << 20;
-
-// An item of at most kMc rows: A is packed once for all of K; each column block of B is
-// packed for all of K a micro-panel at a time, reading each B row front to back (a K-major
-// weight read in 256-wide slices across thousands of rows would touch a new page per row).
-void run_narrow_item(const detail::GemmKernels& kern, const GemmOperand& a, const GemmOperand& b, const Output& out,
-                     int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
-  const int64_t k = a.k, rows = m1 - m0, blocks = std::max<int64_t>(1, ceil_div(k, kGemmKc));
-  const int64_t mc_pad = ceil_div(rows, kern.mr) * kern.mr;
-  const int64_t nc_cap = std::max<int64_t>(kern.nr, kNarrowBBytes / (4 * blocks * kGemmKc) / kern.nr * kern.nr);
-  const int64_t nc_max = std::min(column_block(rows, n1 - n0, kern.nr), nc_cap);
-  const int64_t nc_pad = ceil_div(nc_max, kern.nr) * kern.nr;
-  ThreadBuffers& buf = thread_buffers();
-  float* pa = buf.a.get(static_cast<size_t>(mc_pad * kGemmKc * blocks));
-  float* pb = buf.b.get(static_cast<size_t>(nc_pad * kGemmKc * blocks));
-  const int64_t panel_stride = rows * kern.nr;
-  float* acc = buf.acc.get(static_cast<size_t>(rows * nc_pad));
-  for (int64_t pc = 0; pc < k; pc += kGemmKc)
-    kern.pack(a, m0, rows, pc, std::min(kGemmKc, k - pc), kern.mr, pa + (pc / kGemmKc) * mc_pad * kGemmKc,
-              detail::PackNext::next_rows);
-  for (int64_t jc = n0; jc < n1; jc += nc_max) {
-    const int64_t nc = std::min(nc_max, n1 - jc);
-    if (k == 0) std::fill(acc, acc + rows * nc_pad, 0.0f);
-    for (int64_t p0 = 0; p0 < nc; p0 += kern.nr)
-      for (int64_t pc = 0; pc < k; pc += kGemmKc) {
-        const int64_t kc = std::min(kGemmKc, k - pc);
-        kern.pack(b, jc + p0, std::min<int64_t>(kern.nr, nc - p0), pc, kc, kern.nr,
-                  pb + (pc / kGemmKc) * nc_pad * kGemmKc + (p0 / kern.nr) * kc * kern.nr, detail::PackNext::next_k);
-      }
-    for (int64_t pc = 0; pc < k; pc += kGemmKc)
-      sweep(kern, pa + (pc / kGemmKc) * mc_pad * kGemmKc, pb + (pc / kGemmKc) * nc_pad * kGemmKc, rows, nc,
-            std::min(kGemmKc, k - pc), acc, panel_stride, pc > 0);
-    write_block(out, {acc, kern.nr, panel_stride}, m0, m1, jc, nc);
-  }
-}
-
-// Short K (a few K blocks, as in weight gradients): the partial sums of one row block stay in
-// L2 through all of K and go to D at once, where the general order sweeps a rows x nc buffer
-// (far larger than the caches) once per K block: for K = 512 and f32 outputs of hundreds of
-// MB that buffer traffic takes longer than the FMAs. B is packed for all of K per column
-// block (bounded by kShortKBBytes) and reused by every row block; A is packed for all of K
-// per row block. The FMA chain of every element is the same as in the other orders.
-// Measured (M = 4096, 2 threads): K = 512 20 % faster, K = 1536 6-8 %, K = 2048 even (A is
-// re-packed once per column block, and those shrink as K grows).
+// Items whose packed panels hold all of K, so that the partial sums of a row block (at most
+// kMc rows) stay in L2 through every K block and go to D at once:
+// - narrow items (at most kMc rows: M = 5..96, or M = 128 split by columns): A is packed
+//   once; each column block of B is packed a micro-panel at a time over all of K, reading
+//   every B row front to back (a K-major weight read in 256-wide slices across thousands of
+//   rows would touch a new page per row);
+// - short-K items (at most kShortKBlocks K blocks, as in weight gradients): each column block
+//   of B, packed for all of K, is reused by every row block, and A is packed per row block.
+//   The general order below sweeps a rows x nc buffer, far larger than the caches, once per
+//   K block; for K = 512 and f32 outputs of hundreds of MB that traffic outweighs the FMAs.
+//   Measured (M = 4096, 2 threads): K = 512 20 % faster, K = 1536 6-8 %, K = 2048 even (A is
+//   re-packed once per column block, and those shrink as K grows).
+// Every element is the same FMA chain as in the general order.
 constexpr int64_t kShortKBlocks = 6;
-constexpr int64_t kShortKBBytes = int64_t{4} << 20;
+constexpr int64_t kAllKBBytes = int64_t{4} << 20;  // packed B per thread, for all of K
 
-void run_short_k_item(const detail::GemmKernels& kern, const GemmOperand& a, const GemmOperand& b, const Output& out,
-                      int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
-  const int64_t k = a.k, blocks = std::max<int64_t>(1, ceil_div(k, kGemmKc));
-  const int64_t mc_pad = ceil_div(kMc, kern.mr) * kern.mr;
-  const int64_t nc_cap = std::max<int64_t>(kern.nr, kShortKBBytes / (4 * blocks * kGemmKc) / kern.nr * kern.nr);
-  const int64_t nc_max = std::min(column_block(kMc, n1 - n0, kern.nr), nc_cap);
+void run_all_k_item(const detail::GemmKernels& kern, const GemmOperand& a, const GemmOperand& b, const Output& out,
+                    int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+  const int64_t k = a.k, rows = m1 - m0, blocks = std::max<int64_t>(1, ceil_div(k, kGemmKc));
+  const bool one_row_block = rows <= kMc;
+  const int64_t mc_max = std::min(kMc, rows), mc_pad = ceil_div(mc_max, kern.mr) * kern.mr;
+  const int64_t nc_cap = std::max<int64_t>(kern.nr, kAllKBBytes / (4 * blocks * kGemmKc) / kern.nr * kern.nr);
+  const int64_t nc_max = std::min(column_block(mc_max, n1 - n0, kern.nr), nc_cap);
   const int64_t nc_pad = ceil_div(nc_max, kern.nr) * kern.nr;
   ThreadBuffers& buf = thread_buffers();
   float* pa = buf.a.get(static_cast<size_t>(mc_pad * kGemmKc * blocks));
   float* pb = buf.b.get(static_cast<size_t>(nc_pad * kGemmKc * blocks));
-  float* acc = buf.acc.get(static_cast<size_t>(mc_pad * nc_pad));
+  float* acc = buf.acc.get(static_cast<size_t>(mc_max * nc_pad));
+  auto pack_a = [&](int64_t ic, int64_t mc) {
+    for (int64_t pc = 0; pc < k; pc += kGemmKc)
+      kern.pack(a, ic, mc, pc, std::min(kGemmKc, k - pc), kern.mr, pa + (pc / kGemmKc) * mc_pad * kGemmKc,
+                detail::PackNext::next_rows);
+  };
+  if (one_row_block) pack_a(m0, rows);
   for (int64_t jc = n0; jc < n1; jc += nc_max) {
     const int64_t nc = std::min(nc_max, n1 - jc);
     for (int64_t p0 = 0; p0 < nc; p0 += kern.nr)
@@ -219,10 +194,8 @@ void run_short_k_item(const detail::GemmKernels& kern, const GemmOperand& a, con
       }
     for (int64_t ic = m0; ic < m1; ic += kMc) {
       const int64_t mc = std::min(kMc, m1 - ic), panel_stride = mc * kern.nr;
+      if (!one_row_block) pack_a(ic, mc);
       if (k == 0) std::fill(acc, acc + mc * nc_pad, 0.0f);
-      for (int64_t pc = 0; pc < k; pc += kGemmKc)
-        kern.pack(a, ic, mc, pc, std::min(kGemmKc, k - pc), kern.mr, pa + (pc / kGemmKc) * mc_pad * kGemmKc,
-                  detail::PackNext::next_rows);
       for (int64_t pc = 0; pc < k; pc += kGemmKc)
         sweep(kern, pa + (pc / kGemmKc) * mc_pad * kGemmKc, pb + (pc / kGemmKc) * nc_pad * kGemmKc, mc, nc,
               std::min(kGemmKc, k - pc), acc, panel_stride, pc > 0);
@@ -236,8 +209,7 @@ void run_item(const detail::GemmKernels& kern, const GemmOperand& a, const GemmO
   const int64_t k = a.k;
   const int64_t rows = m1 - m0;
   if (rows <= 0 || n1 <= n0) return;
-  if (rows <= kMc) return run_narrow_item(kern, a, b, out, m0, m1, n0, n1);
-  if (ceil_div(k, kGemmKc) <= kShortKBlocks) return run_short_k_item(kern, a, b, out, m0, m1, n0, n1);
+  if (rows <= kMc || ceil_div(k, kGemmKc) <= kShortKBlocks) return run_all_k_item(kern, a, b, out, m0, m1, n0, n1);
   const int64_t nc_max = column_block(rows, n1 - n0, kern.nr);
   ThreadBuffers& buf = thread_buffers();
   const int64_t mc_max = std::min<int64_t>(kMc, ceil_div(rows, kern.mr) * kern.mr);
