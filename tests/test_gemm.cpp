@@ -290,8 +290,9 @@ TEST(Gemm, AwkwardShapes) {
 // Row blocks of more than one register panel per thread take the blocked drivers: the
 // short-K order (K up to 6 blocks: partial sums kept per row block through all of K) and
 // the general one (more K blocks). Both, for every layout, several formats and C modes,
-// with one and two threads (2 x 115 rows: still more than one row block each); N = 40 is three
-// register panels, the last one partial. Every ISA path must give the same bits.
+// with one and two threads (two items of about 115 rows: still more than one row block each);
+// N = 40 ends in a partial register panel; one wider case has several column blocks in the
+// short-K driver (A re-packed per column block). Every ISA path must give the same bits.
 TEST(Gemm, BlockedDriversMatchOracle) {
   ThreadGuard guard;
   uint64_t seed = 3000;
@@ -304,13 +305,18 @@ TEST(Gemm, BlockedDriversMatchOracle) {
         check_case_then_compare_isas({layout, Fmt::fp8_token, Fmt::fp4, 230, 40, k, DType::f32, CMode::none, true}, seed++);
       }
   }
+  set_num_threads(1);  // 3 K blocks: packed B of 4 MiB holds 1360 columns, so 1400 are two column blocks
+  check_case_then_compare_isas({Layout::nt, Fmt::bf16, Fmt::bf16, 230, 1400, 600, DType::bf16, CMode::separate, false}, seed++);
 }
 
 // A large-enough problem to take the multi-threaded, multi-block paths (several K blocks,
 // row and column blocks; short and long K); results must not depend on the thread count.
+// 150 x 16 x 1800 takes the general driver on one thread (150 rows) and the all-K driver on
+// two or three (items of at most 78 rows; N = 16 is one panel, so rows are split): the two
+// drivers must give the same bits.
 TEST(Gemm, BitIdenticalAcrossThreadCounts) {
   ThreadGuard guard;
-  for (auto [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{200, 1100, 600}, {230, 300, 1800}, {3, 700, 1000}}) {
+  for (auto [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{200, 1100, 600}, {230, 300, 1800}, {150, 16, 1800}, {3, 700, 1000}}) {
     const Tensor xa = random_bf16(m, k, 7), xb = random_bf16(n, k, 8);
     const Quantized qa = per_token_cast_to_fp8(xa, false), qb = per_block_cast_to_fp8(xb, false);
     std::vector<std::vector<float>> results;

@@ -37,12 +37,13 @@ TEST(Streaming, CastsMatchCachedPathOnEveryIsa) {
   const Tensor xv = x.slice(1, 3, 1030);  // strided view, unaligned row starts
   for (const Tensor& in : {x, xv}) {
     Quantized fp8_cached, fp4_cached;
-    Tensor back8_cached, back4_cached;
+    Tensor back8_cached, back8_f32_cached, back4_cached;
     {
       ScopedIsa portable(Isa::scalar);
       fp8_cached = per_token_cast_to_fp8(in, false);
       fp4_cached = per_token_cast_to_fp4(in, true);
       back8_cached = cast_back_from_fp8(fp8_cached.values, fp8_cached.sf, DType::bf16);
+      back8_f32_cached = cast_back_from_fp8(fp8_cached.values, fp8_cached.sf, DType::f32);
       back4_cached = cast_back_from_fp4(fp4_cached.values, fp4_cached.sf, DType::f32, 1, 32, in.size(1));
     }
     StreamingThreshold all_streaming(1);
@@ -55,6 +56,7 @@ TEST(Streaming, CastsMatchCachedPathOnEveryIsa) {
       EXPECT_TRUE(same(fp8.sf, fp8_cached.sf));
       EXPECT_TRUE(same(fp4.values, fp4_cached.values));
       EXPECT_TRUE(same(cast_back_from_fp8(fp8.values, fp8.sf, DType::bf16), back8_cached));
+      EXPECT_TRUE(same(cast_back_from_fp8(fp8.values, fp8.sf, DType::f32), back8_f32_cached));
       EXPECT_TRUE(same(cast_back_from_fp4(fp4.values, fp4.sf, DType::f32, 1, 32, in.size(1)), back4_cached));
     }
   }

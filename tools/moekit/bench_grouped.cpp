@@ -132,7 +132,7 @@ void bench_grouped(const BenchOptions& o) {
       row.threads = num_threads();
       row.tflops = flops / (row.time.median_us * 1e6);
       row.ceiling = "bf16_flops";
-        row.peer = "per-group dequant+onednn sgemm";
+      row.peer = "per-group dequant+onednn sgemm";
       row.sizes = {{"groups", groups}, {"m", valid}, {"n", n}, {"k", k}};
       row.notes = {{"dense_us", fmt::format("{:.0f}", dense.median_us)},
                    {"vs_dense_same_m", fmt::format("{:.2f}", dense.median_us / row.time.median_us)},
