@@ -21,7 +21,8 @@ struct FormatKernels {
   // The same for bf16 x on |x| bf16 bit patterns (acc[i] << 16 is amax_accumulate's float);
   // null on targets without a faster 16-bit kernel.
   void (*amax_accumulate_bf16)(const uint16_t* x, int64_t n, uint16_t* acc);
-  // out = in reordered for quantize's per-element reciprocals (inv, below); n elements.
+  // out = in reordered for quantize's per-element reciprocals (inv, below); n elements; out
+  // may be in.
   void (*block_order)(const float* in, float* out, int64_t n);
   // q = narrow(x / sf[i / gran]); e2m1: n values into ceil(n/2) bytes, gran even or >= n.
   // stream = true: non-temporal stores (for outputs far larger than the cache).

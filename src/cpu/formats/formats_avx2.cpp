@@ -213,18 +213,14 @@ struct V {
     v[3] = _mm256_mul_ps(half(_mm_unpackhi_epi8(zero, hi)), scale256);
     return true;
   }
-  // Stores 32 values given in natural order (no NaN among them).
+  // Stores of 32 values (f32, or bf16 bit patterns in 32-bit lanes) given in natural order,
+  // as decode_e4m3_x4 produces them.
   template <bool Stream>
-  static void store_natural_x4(float* p, const F v[4]) {
+  static void store_f32_natural_x4(float* p, const F v[4]) {
     for (int j = 0; j < 4; ++j) put<Stream>(p + 8 * j, bits(v[j]));
   }
   template <bool Stream>
-  static void store_natural_x4(uint16_t* p, const F v[4]) {
-    __m256i r[4];
-    for (int j = 0; j < 4; ++j) {  // round to nearest even; inf stays inf
-      const __m256i b = bits(v[j]);
-      r[j] = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1)))), 16);
-    }
+  static void store_u16_natural_x4(uint16_t* p, const I r[4]) {
     // packus of lanes e[0-7] and e[8-15] interleaves their 128-bit halves; the qword permute restores order.
     put<Stream>(p, _mm256_permute4x64_epi64(_mm256_packus_epi32(r[0], r[1]), 0xd8));
     put<Stream>(p + 16, _mm256_permute4x64_epi64(_mm256_packus_epi32(r[2], r[3]), 0xd8));

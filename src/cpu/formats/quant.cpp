@@ -192,7 +192,7 @@ void per_channel_cast_to_fp8_into(const Tensor& x, const Tensor& q, const Tensor
   const bool bf16_acc = x.dtype() == DType::bf16 && kern.amax_accumulate_bf16 != nullptr;
 #pragma omp parallel num_threads(threads_for(k * mn))
   {
-    std::vector<float> inv(static_cast<size_t>(mn)), inv_ordered(static_cast<size_t>(mn));
+    std::vector<float> inv(static_cast<size_t>(mn));
     std::vector<uint16_t> acc(bf16_acc ? static_cast<size_t>(mn) : 0);
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < ceil_div(k, gran_k); ++g) {
@@ -212,11 +212,11 @@ void per_channel_cast_to_fp8_into(const Tensor& x, const Tensor& q, const Tensor
       // division per element (only where every scale is a positive normal, as it requires),
       // in the kernel's block order so that it loads them without shuffles.
       const bool normal = reciprocals(s, mn, inv.data());
-      if (normal) kern.block_order(inv.data(), inv_ordered.data(), mn);
+      if (normal) kern.block_order(inv.data(), inv.data(), mn);
       for (int64_t r = r0; r < r1; ++r)
         kern.quantize[static_cast<int>(Narrow::e4m3)][wide](row_ptr(x, r), reinterpret_cast<uint8_t*>(row_ptr_mut(q, r)), mn, s, 1, stream,
                                                             gran_k < k - r ? row_ptr(x, r + gran_k) : nullptr, true,
-                                                            normal ? inv_ordered.data() : nullptr);
+                                                            normal ? inv.data() : nullptr);
     }
   }
 }
