@@ -53,9 +53,9 @@ std::pair<Timing, Timing> time_interleaved(const std::function<void()>& fn, cons
   return {summarise(a), summarise(b)};
 }
 
-void RunCeilings::remeasure(bool flops, bool read_bw) {
-  if (flops) bf16_tflops = std::max(bf16_tflops, measure_bf16_flops(quick ? 1 : 2) / 1e12);
-  if (read_bw) read_gbps = std::max(read_gbps, measure_read_bandwidth(int64_t{512} << 20, quick ? 1 : 2) / 1e9);
+void RunCeilings::remeasure() {
+  if (with_flops) bf16_tflops = std::max(bf16_tflops, measure_bf16_flops(quick ? 1 : 2) / 1e12);
+  read_gbps = std::max(read_gbps, measure_read_bandwidth(int64_t{512} << 20, quick ? 1 : 2) / 1e9);
 }
 
 void RunCeilings::finish(Row& row) const {
@@ -67,10 +67,9 @@ void RunCeilings::finish(Row& row) const {
   row.notes["pct_of_roofline"] = fmt::format("{:.1f}", 100.0 * std::max(t_mem, t_flop) / (row.time.median_us * 1e-6));
 }
 
-std::map<std::string, double> RunCeilings::header(bool flops, bool read_bw) const {
-  std::map<std::string, double> out;
-  if (flops) out["bf16_flops_TFLOPs"] = bf16_tflops;
-  if (read_bw) out["read_bw_GBps"] = read_gbps;
+std::map<std::string, double> RunCeilings::header() const {
+  std::map<std::string, double> out{{"read_bw_GBps", read_gbps}};
+  if (with_flops) out["bf16_flops_TFLOPs"] = bf16_tflops;
   return out;
 }
 

@@ -49,12 +49,14 @@ struct Row {
 // This host is shared, so a ceiling measured at a bad moment would flatter every row. Suites
 // re-measure between problems; finish() judges every row against the best figures of the
 // whole run (the header prints the same figures).
+// The read bandwidth is always measured; the bf16 FLOP/s ceiling where with_flops.
 struct RunCeilings {
-  double bf16_tflops = 0, read_gbps = 0;
-  bool quick = false;
-  void remeasure(bool flops, bool read_bw);
+  RunCeilings(bool with_flops, bool quick) : with_flops(with_flops), quick(quick) {}
+  void remeasure();
   void finish(Row& row) const;
-  std::map<std::string, double> header(bool flops, bool read_bw) const;
+  std::map<std::string, double> header() const;
+  double bf16_tflops = 0, read_gbps = 0;
+  bool with_flops, quick;
 };
 
 struct Reporter {

@@ -40,12 +40,9 @@ struct CastCase {
 void bench_formats(const BenchOptions& o) {
   const int64_t rows = o.quick ? 1024 : 16384, cols = 8192;  // bf16: 256 MiB (quick: 16 MiB)
   const int repeats = o.quick ? 3 : o.repeats;
-  // The machine is shared: the read-bandwidth ceiling is re-measured before every row and
-  // the best figure of the whole run is the ceiling for all rows (a ceiling caught at a bad
-  // moment would flatter them). Rows are printed once the run is over.
-  RunCeilings ceilings;
-  ceilings.quick = o.quick;
-  auto remeasure = [&] { ceilings.remeasure(false, true); };
+  // The read-bandwidth ceiling is re-measured before every row (RunCeilings); rows are
+  // printed once the run is over.
+  RunCeilings ceilings(false, o.quick);
   std::vector<Row> rows_out;
 
   const Tensor x = random_bf16(rows, cols, 1, true);
@@ -65,7 +62,7 @@ void bench_formats(const BenchOptions& o) {
       else if (c.fp4) per_token_cast_to_fp4_into(x, q, sf, c.use_ue8m0, gran);
       else per_token_cast_to_fp8_into(x, q, sf, c.use_ue8m0, gran);
     };
-    remeasure();
+    ceilings.remeasure();
     Row row;
     row.kernel = c.kernel;
     row.time = time_it(run, repeats);
@@ -107,7 +104,7 @@ void bench_formats(const BenchOptions& o) {
       if (fp4) cast_back_from_fp4_into(qz.values, qz.sf, out, 1, gran);
       else cast_back_from_fp8_into(qz.values, qz.sf, out, 1, gran);
     };
-    remeasure();
+    ceilings.remeasure();
     Row row;
     row.kernel = fp4 ? "cast_back_from_fp4" : "cast_back_from_fp8";
     row.time = time_it(run, repeats);
@@ -129,9 +126,9 @@ void bench_formats(const BenchOptions& o) {
     row.notes = {{"bit_exact_vs_oracle", same_bytes(out, want, check) ? "yes" : "NO"}, {"checked_rows", std::to_string(check)}};
     rows_out.push_back(row);
   }
-  remeasure();
+  ceilings.remeasure();
   Reporter rep{o.json};
-  rep.header("formats", ceilings.header(false, true));
+  rep.header("formats", ceilings.header());
   for (Row& row : rows_out) {
     ceilings.finish(row);
     rep.print(row);

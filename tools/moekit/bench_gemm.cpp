@@ -96,8 +96,7 @@ double corner_diff(const Tensor& d, const ref::Operand& a, const ref::Operand& b
 }  // namespace
 
 void bench_gemm(const BenchOptions& o) {
-  RunCeilings ceilings;
-  ceilings.quick = o.quick;
+  RunCeilings ceilings(true, o.quick);
   OneDnnGemm onednn;
   const bool dnnl_bf16 = onednn.bf16_available(16, 16, 16);
   const std::string peer_name = dnnl_bf16 ? "onednn bf16 matmul" : "onednn sgemm(f32)";
@@ -121,7 +120,7 @@ void bench_gemm(const BenchOptions& o) {
 
   enum class Kind { bf16, fp8, fp4 };
   for (const auto& [m, n, k] : problems) {
-      ceilings.remeasure(true, true);
+      ceilings.remeasure();
       const Tensor xa = random_bf16(m, k, 1), xb = random_bf16(n, k, 2);
       const Tensor fa = dnnl_bf16 ? Tensor() : to_f32(xa), fb = dnnl_bf16 ? Tensor() : to_f32(xb);
       const Tensor d = Tensor::zeros({m, n}, DType::bf16), dpeer = Tensor::zeros({m, n}, DType::f32);
@@ -209,9 +208,9 @@ void bench_gemm(const BenchOptions& o) {
         rows_out.push_back(row);
       }
     }
-  ceilings.remeasure(true, true);
+  ceilings.remeasure();
   Reporter rep{o.json};
-  rep.header("gemm", ceilings.header(true, true));
+  rep.header("gemm", ceilings.header());
   for (Row& row : rows_out) {
     ceilings.finish(row);
     rep.print(row);

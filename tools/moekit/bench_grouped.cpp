@@ -71,9 +71,7 @@ Quantized random_fp4_weights(int64_t groups, int64_t n, int64_t k, uint64_t seed
 }  // namespace
 
 void bench_grouped(const BenchOptions& o) {
-  RunCeilings ceilings;
-  ceilings.quick = o.quick;
-  ceilings.remeasure(true, true);
+  RunCeilings ceilings(true, o.quick);  // re-measured before every problem
   std::vector<Row> rows_out;
   const int repeats = o.quick ? 2 : std::min(o.repeats, 5);
   std::mt19937_64 rng(7);
@@ -84,6 +82,7 @@ void bench_grouped(const BenchOptions& o) {
   const int64_t align = get_mk_alignment_for_contiguous_layout();
   for (const auto& [groups, expected] : gm)
     for (const auto& [n, k] : nk) {
+      ceilings.remeasure();
       std::uniform_real_distribution<double> u(0.7, 1.3);
       std::vector<int64_t> rows(static_cast<size_t>(groups));
       std::vector<int32_t> layout;
@@ -141,7 +140,6 @@ void bench_grouped(const BenchOptions& o) {
     }
 
   // ---- masked (decode: memory-bound for m <= 20) ----
-  ceilings.remeasure(true, true);
   std::vector<std::pair<int64_t, int64_t>> masked = {{32, 20}, {6, 20}, {32, 192}};
   int64_t mn = 4096, mk = 7168;
   if (o.quick) masked = {{4, 8}}, mn = 256, mk = 512;
@@ -150,6 +148,7 @@ void bench_grouped(const BenchOptions& o) {
   for (const bool fp4 : {false, true})
   for (const auto& [groups, m] : masked) {
     if (fp4 && m > 20) continue;
+    ceilings.remeasure();
     const int64_t max_m = std::max<int64_t>(m, 32), gran = fp4 ? 32 : 128;
     const Quantized qb = fp4 ? random_fp4_weights(groups, mn, mk, 3) : random_fp8_weights(groups, mn, mk, 3);
     const Tensor x = random_bf16(groups * max_m, mk, 4);
@@ -198,7 +197,7 @@ void bench_grouped(const BenchOptions& o) {
   }
 
   // ---- k-grouped (weight gradient), bf16 ----
-  ceilings.remeasure(true, true);
+  ceilings.remeasure();
   {
     const int64_t groups = 4, m = o.quick ? 128 : 4096, n = o.quick ? 256 : 7168, k = o.quick ? 64 : 512;
     const Tensor a = random_bf16(groups * k, m, 5), b = random_bf16(groups * k, n, 6);
@@ -235,9 +234,9 @@ void bench_grouped(const BenchOptions& o) {
     rows_out.push_back(row);
   }
 
-  ceilings.remeasure(true, true);
+  ceilings.remeasure();
   Reporter rep{o.json};
-  rep.header("grouped", ceilings.header(true, true));
+  rep.header("grouped", ceilings.header());
   for (Row& row : rows_out) {
     ceilings.finish(row);
     rep.print(row);
