@@ -47,4 +47,8 @@ class ScopedIsa {
 int num_threads();
 void set_num_threads(int n);
 
+// CUDA devices this process can use: 0 when moekit was built without MOEKIT_CUDA, when
+// no driver is loaded, or when no GPU is visible (never an Error).
+int cuda_device_count();
+
 }  // namespace moekit

@@ -102,6 +102,10 @@ class Tensor {
   Tensor contiguous() const;
   // Element-wise copy from another CPU tensor of the same dtype and shape.
   void copy_from(const Tensor& src) const;
+  // A contiguous copy on `device` (like torch's .to(device)); the tensor itself when it is
+  // already there. Copies between the CPU and a GPU need the CUDA backend (Error
+  // otherwise); a strided GPU source is an Error (make it contiguous on the GPU first).
+  Tensor to(Device device) const;
 
   std::string str() const;  // "bf16[4, 128] cpu"
 

@@ -11,6 +11,10 @@ bool cuda_backend_built();
 void* cuda_alloc(size_t bytes, int device);  // zero-filled when zero is set
 void cuda_free(void* ptr, int device) noexcept;
 void cuda_memset_zero(void* ptr, size_t bytes, int device);
+// Copies bytes between any two of host and device memory (unified addressing); `device`
+// is the GPU involved, named in errors.
+void cuda_memcpy(void* dst, const void* src, size_t bytes, int device);
+int cuda_device_count() noexcept;  // 0 on any failure
 
 }  // namespace moekit::detail
 

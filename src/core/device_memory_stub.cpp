@@ -19,6 +19,12 @@ void cuda_memset_zero(void*, size_t, int device) {
        "cuda:" + std::to_string(device));
 }
 
+void cuda_memcpy(void*, const void*, size_t, int device) {
+  fail("Tensor::to", "device", "cpu (this moekit was built without MOEKIT_CUDA)", "cuda:" + std::to_string(device));
+}
+
+int cuda_device_count() noexcept { return 0; }
+
 }  // namespace moekit::detail
 
 namespace moekit::detail {

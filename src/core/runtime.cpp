@@ -8,6 +8,7 @@
 #include <string>
 
 #include "check.h"
+#include "device_memory.h"
 
 namespace moekit {
 
@@ -136,5 +137,7 @@ void set_num_threads(int n) {
   if (n < 1 || n > 4096) detail::fail("set_num_threads", "n", "an integer in [1, 4096]", std::to_string(n));
   g_threads.store(n, std::memory_order_relaxed);
 }
+
+int cuda_device_count() { return detail::cuda_device_count(); }
 
 }  // namespace moekit

@@ -268,6 +268,18 @@ Tensor Tensor::contiguous() const {
   return t;
 }
 
+Tensor Tensor::to(Device device) const {
+  if (!defined_) fail("Tensor::to", "self", "a defined tensor", "an undefined tensor");
+  if (device == device_) return *this;
+  if (device_.is_cuda() && !is_contiguous())
+    fail("Tensor::to", "self", "a contiguous tensor when copying from a GPU", "strides " + shape_str(strides_));
+  const Tensor src = contiguous();  // CPU sources are packed here first
+  Tensor dst = empty(shape_, dtype_, device);
+  const size_t bytes = static_cast<size_t>(numel()) * element_size();
+  if (bytes > 0) detail::cuda_memcpy(dst.data_, src.data_, bytes, device.is_cuda() ? device.index : device_.index);
+  return dst;
+}
+
 std::string Tensor::str() const {
   return std::string(dtype_name(dtype_)) + shape_str(shape_) + " " + device_.str();
 }

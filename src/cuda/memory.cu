@@ -33,4 +33,18 @@ void cuda_memset_zero(void* ptr, size_t bytes, int device) {
   check_cuda(cudaMemset(ptr, 0, bytes), "Tensor::zeros", device);
 }
 
+void cuda_memcpy(void* dst, const void* src, size_t bytes, int device) {
+  check_cuda(cudaSetDevice(device), "Tensor::to", device);
+  check_cuda(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault), "Tensor::to", device);
+}
+
+int cuda_device_count() noexcept {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky "no driver / no device" status
+    return 0;
+  }
+  return n;
+}
+
 }  // namespace moekit::detail

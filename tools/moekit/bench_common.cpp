@@ -1,5 +1,7 @@
 #include "bench_common.h"
 
+#include <cstdio>
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -78,12 +80,14 @@ void Reporter::header(const std::string& suite, const std::map<std::string, doub
     nlohmann::json j = {{"suite", suite}};
     for (const auto& [name, value] : ceilings) j["ceilings"][name] = value;
     fmt::print("{}\n", j.dump());
+    std::fflush(stdout);  // flushed line by line: a run cut short keeps every finished row
     return;
   }
   fmt::print("\n== moekit bench {} ==\n", suite);
   for (const auto& [name, value] : ceilings) fmt::print("ceiling {} = {:.2f}\n", name, value);
   fmt::print("{:<26} {:<22} {:<7} {:>3} {:>11} {:>9} {:>6}  {:<18} {:>11} {:>7} {:>9}\n", "kernel", "shape", "dtype", "thr",
              "time_us", "value", "%ceil", "peer", "peer_us", "speedup", "calc_diff");
+  std::fflush(stdout);
 }
 
 void Reporter::print(const Row& r) {
@@ -101,6 +105,7 @@ void Reporter::print(const Row& r) {
     for (const auto& [k, v] : r.sizes) j[k] = v;
     for (const auto& [k, v] : r.notes) j[k] = v;
     fmt::print("{}\n", j.dump());
+    std::fflush(stdout);  // a row is complete as soon as it is measured, even if a later one is cut short
     return;
   }
   std::string notes;
@@ -108,6 +113,7 @@ void Reporter::print(const Row& r) {
   fmt::print("{:<26} {:<22} {:<7} {:>3} {:>11.1f} {:>7.3f}{:<3} {:>5.1f}%  {:<18} {:>11.1f} {:>6.2f}x {:>9.2e}{}\n", r.kernel,
              r.shape, r.dtype, r.threads, r.time.median_us, value, flops ? " TF" : " GB", pct, r.peer,
              r.peer_time.median_us, speedup, r.calc_diff, notes);
+  std::fflush(stdout);
 }
 
 }  // namespace moekit::tools
