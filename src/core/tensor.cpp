@@ -245,6 +245,10 @@ void Tensor::copy_from(const Tensor& src) const {
   const int64_t n = numel();
   if (n == 0) return;
   const size_t es = element_size();
+  if (is_contiguous() && src.is_contiguous()) {  // the common case: one block
+    std::memmove(data_, src.data_, static_cast<size_t>(n) * es);
+    return;
+  }
   // Walk both index spaces in row-major order with an odometer over the shape.
   Shape index(shape_.size(), 0);
   for (int64_t i = 0; i < n; ++i) {

@@ -57,7 +57,7 @@ std::pair<Timing, Timing> time_interleaved(const std::function<void()>& fn, cons
 
 void RunCeilings::remeasure() {
   if (with_flops) bf16_tflops = std::max(bf16_tflops, measure_bf16_flops(quick ? 1 : 2) / 1e12);
-  read_gbps = std::max(read_gbps, measure_read_bandwidth(int64_t{512} << 20, quick ? 1 : 2) / 1e9);
+  read_gbps = std::max(read_gbps, measure_read_bandwidth(dram_working_set(int64_t{512} << 20), quick ? 1 : 2) / 1e9);
 }
 
 void RunCeilings::finish(Row& row) const {

@@ -1,5 +1,6 @@
 // `moekit bench formats`: quantisation casts in GB/s against the measured read bandwidth.
-// Working sets are 256 MiB inputs (8x the 32 MiB L3), so every run streams from DRAM.
+// Inputs are max(256 MiB, 4x the last-level cache) (8x the 32 MiB L3 here), so every run
+// streams from DRAM.
 // Peer: the same call on moekit's portable (scalar-ISA) path, which is what the code
 // compiles to without the AVX2/AVX-512 kernels. Correctness: the first rows are re-done by
 // the f64 oracle (src/reference) and compared bit for bit and by calc_diff.
@@ -38,7 +39,10 @@ struct CastCase {
 }  // namespace
 
 void bench_formats(const BenchOptions& o) {
-  const int64_t rows = o.quick ? 1024 : 16384, cols = 8192;  // bf16: 256 MiB (quick: 16 MiB)
+  // bf16 input of max(256 MiB, 4x the last-level cache) (quick: 16 MiB), whole scale blocks.
+  const int64_t cols = 8192;
+  const int64_t block_bytes = cols * 2 * 128;
+  const int64_t rows = o.quick ? 1024 : (dram_working_set(int64_t{256} << 20) + block_bytes - 1) / block_bytes * 128;
   const int repeats = o.quick ? 3 : o.repeats;
   // The read-bandwidth ceiling is re-measured before every row (RunCeilings); rows are
   // printed once the run is over.

@@ -141,10 +141,12 @@ void bench_gemm(const BenchOptions& o) {
           ra = {qa.values, qa.sf, 1, 32}, rb = {qb.values, qb.sf, 1, 32};
         }
         // Memory-bound rows (M <= 16) cycle through enough copies of the weights that the
-        // working set is >= 128 MiB (4x the L3), for kernel and peer alike: every run streams
-        // its weights from DRAM as in decoding, even when one copy would fit in cache.
+        // working set is >= max(128 MiB, 4x the last-level cache), for kernel and peer alike:
+        // every run streams its weights from DRAM as in decoding, even when one copy would
+        // fit in cache.
         const double w_bytes = static_cast<double>(n * k) * (kind == Kind::bf16 ? 2.0 : kind == Kind::fp8 ? 1.0 : 0.5);
-        const int copies = m <= 16 ? static_cast<int>(std::clamp(std::ceil(128.0 * (1 << 20) / w_bytes), 1.0, 64.0)) : 1;
+        const double working_set = static_cast<double>(dram_working_set(int64_t{128} << 20));
+        const int copies = m <= 16 ? static_cast<int>(std::clamp(std::ceil(working_set / w_bytes), 1.0, 1024.0)) : 1;
         auto copy_of = [](const Tensor& t) {
           Tensor c = Tensor::empty(t.shape(), t.dtype());
           c.copy_from(t);

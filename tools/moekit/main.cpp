@@ -54,9 +54,9 @@ int main(int argc, char** argv) {
 
   auto* info = app.add_subcommand("info", "CPU features and the instruction set in use");
   tools::PeakOptions peak_options;
-  int64_t peak_mib = 1024;
+  int64_t peak_mib = 0;  // 0: max(1 GiB, 4x the last-level cache)
   auto* peak = app.add_subcommand("peak", "measure this machine's ceilings (FLOP/s, bandwidth)");
-  peak->add_option("--mib", peak_mib, "bandwidth array size in MiB (far above the LLC)")->check(CLI::Range(64, 1 << 16));
+  peak->add_option("--mib", peak_mib, "bandwidth array size in MiB (default: max(1024, 4x the last-level cache))")->check(CLI::Range(0, 1 << 16));
   peak->add_option("--repeats", peak_options.repeats, "timed repeats per way (best kept)")->check(CLI::Range(1, 100));
 
   tools::BenchOptions bench_options;
@@ -72,7 +72,7 @@ int main(int argc, char** argv) {
   try {
     if (*info) print_info(json);
     if (*peak) {
-      peak_options.bandwidth_bytes = peak_mib << 20;
+      peak_options.bandwidth_bytes = peak_mib > 0 ? peak_mib << 20 : tools::dram_working_set(int64_t{1} << 30);
       print_peak(peak_options, json);
     }
     if (*bench) {

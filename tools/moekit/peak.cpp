@@ -4,11 +4,13 @@
 
 #include <omp.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <functional>
 #include <memory>
 
@@ -136,6 +138,24 @@ double measure_read_bandwidth(int64_t bytes, int repeats) {
   if (isa_supported(Isa::avx512)) best = std::max(best, read_bandwidth(b, threads, repeats, &kernels::read_avx512));
   return best;
 }
+
+int64_t last_level_cache_bytes() {
+  int64_t best = 0;
+  for (int index = 0; index < 8; ++index) {
+    const std::string dir = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(index) + "/";
+    std::ifstream type_file(dir + "type"), size_file(dir + "size");
+    std::string type, size;
+    if (!(type_file >> type) || !(size_file >> size) || type == "Instruction" || size.empty()) continue;
+    const char unit = size.back();
+    int64_t bytes = std::atoll(size.c_str());
+    bytes *= unit == 'K' ? 1024 : unit == 'M' ? 1024 * 1024 : unit == 'G' ? int64_t{1} << 30 : 1;
+    best = std::max(best, bytes);
+  }
+  if (best == 0) best = std::max<int64_t>(0, sysconf(_SC_LEVEL3_CACHE_SIZE));
+  return best > 0 ? best : int64_t{32} << 20;
+}
+
+int64_t dram_working_set(int64_t floor) { return std::max(floor, 4 * last_level_cache_bytes()); }
 
 std::vector<Ceiling> measure_peak(const PeakOptions& options) {
   std::vector<Ceiling> out;

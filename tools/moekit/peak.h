@@ -20,6 +20,11 @@ struct PeakOptions {
 };
 
 std::vector<Ceiling> measure_peak(const PeakOptions& options);
+// The largest data cache of this CPU (sysfs, else sysconf; 32 MiB when neither says).
+int64_t last_level_cache_bytes();
+// A working set that streams from DRAM: at least `floor` and at least 4x the last-level
+// cache (hosts with hundreds of MiB of L3 would otherwise serve "DRAM" rows from cache).
+int64_t dram_working_set(int64_t floor);
 // The all-thread bf16 dot-product ceiling (FLOP/s): vdpbf16ps where the CPU has it, else
 // f32 FMA on widened bf16.
 double measure_bf16_flops(int repeats);
