@@ -71,6 +71,7 @@ struct BenchOptions {
   int repeats = 10;
   std::vector<int64_t> gemm_m;   // bench gemm: only these M (empty: upstream's list)
   std::vector<int64_t> gemm_n;   // bench gemm: only shapes with these N
+  std::string peer_isa = "scalar";  // bench formats: the moekit path measured as the peer
 };
 
 void bench_formats(const BenchOptions& options);

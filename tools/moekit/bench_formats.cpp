@@ -1,16 +1,20 @@
 // `moekit bench formats`: quantisation casts in GB/s against the measured read bandwidth.
 // Inputs are max(256 MiB, 4x the last-level cache) (8x the 32 MiB L3 here), so every run
 // streams from DRAM.
-// Peer: the same call on moekit's portable (scalar-ISA) path, which is what the code
-// compiles to without the AVX2/AVX-512 kernels. Correctness: the first rows are re-done by
-// the f64 oracle (src/reference) and compared bit for bit and by calc_diff.
+// Peer: the same call on another moekit path, timed alternately with it: by default the
+// portable (scalar-ISA) path, what the code compiles to without the AVX2/AVX-512 kernels;
+// --peer-isa avx2 compares the two vector targets on AVX-512 CPUs. Correctness: the first
+// rows are re-done by the f64 oracle (src/reference) and compared bit for bit and by calc_diff.
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <random>
+#include <tuple>
 
 #include "bench_common.h"
+#include "moekit/error.h"
 #include "moekit/formats.h"
 #include "moekit/runtime.h"
 #include "peak.h"
@@ -47,6 +51,17 @@ void bench_formats(const BenchOptions& o) {
   // The read-bandwidth ceiling is re-measured before every row (RunCeilings); rows are
   // printed once the run is over.
   RunCeilings ceilings(false, o.quick);
+  // The peer: the same call on another of moekit's paths (scalar by default: what the code
+  // compiles to without the vector kernels), run alternately with the active one.
+  const Isa peer_isa = parse_isa(o.peer_isa);
+  if (!isa_supported(peer_isa)) throw Error("bench formats", "--peer-isa", "an instruction set this CPU supports", o.peer_isa);
+  const std::string peer_name = fmt::format("moekit {}-ISA", isa_name(peer_isa));
+  auto on_peer_isa = [peer_isa](const std::function<void()>& fn) {
+    return [peer_isa, fn] {
+      ScopedIsa scoped(peer_isa);
+      fn();
+    };
+  };
   std::vector<Row> rows_out;
 
   const Tensor x = random_bf16(rows, cols, 1, true);
@@ -69,11 +84,7 @@ void bench_formats(const BenchOptions& o) {
     ceilings.remeasure();
     Row row;
     row.kernel = c.kernel;
-    row.time = time_it(run, repeats);
-    {
-      ScopedIsa portable(Isa::scalar);
-      row.peer_time = time_it(run, o.quick ? 1 : 3);
-    }
+    std::tie(row.time, row.peer_time) = time_interleaved(run, on_peer_isa(run), repeats);
     run();  // leave the fast path's output for the check
     // Oracle on the first check_rows rows (a whole 128-row block / channel group).
     const Tensor xs = x.slice(0, 0, c.check_rows);
@@ -92,7 +103,7 @@ void bench_formats(const BenchOptions& o) {
     row.threads = num_threads();
     row.gbps = static_cast<double>(bytes_of(x) + bytes_of(q) + bytes_of(sf)) / (row.time.median_us * 1e3);
     row.ceiling = "read_bw";
-    row.peer = "moekit scalar-ISA";
+    row.peer = peer_name;
     row.sizes = {{"m", rows}, {"k", cols}};
     row.notes = {{"bit_exact_vs_oracle", exact ? "yes" : "NO"}, {"checked_rows", std::to_string(c.check_rows)}};
     rows_out.push_back(row);
@@ -111,11 +122,7 @@ void bench_formats(const BenchOptions& o) {
     ceilings.remeasure();
     Row row;
     row.kernel = fp4 ? "cast_back_from_fp4" : "cast_back_from_fp8";
-    row.time = time_it(run, repeats);
-    {
-      ScopedIsa portable(Isa::scalar);
-      row.peer_time = time_it(run, o.quick ? 1 : 3);
-    }
+    std::tie(row.time, row.peer_time) = time_interleaved(run, on_peer_isa(run), repeats);
     run();
     const int64_t check = 128;
     const Tensor want = ref::to_tensor(ref::dequantize(qz.values.slice(0, 0, check), qz.sf.slice(0, 0, check), 1, gran, k), check, k, DType::bf16);
@@ -125,7 +132,7 @@ void bench_formats(const BenchOptions& o) {
     row.threads = num_threads();
     row.gbps = static_cast<double>(bytes_of(qz.values) + bytes_of(qz.sf) + bytes_of(out)) / (row.time.median_us * 1e3);
     row.ceiling = "read_bw";
-    row.peer = "moekit scalar-ISA";
+    row.peer = peer_name;
     row.sizes = {{"m", rows}, {"k", k}};
     row.notes = {{"bit_exact_vs_oracle", same_bytes(out, want, check) ? "yes" : "NO"}, {"checked_rows", std::to_string(check)}};
     rows_out.push_back(row);

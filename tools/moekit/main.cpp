@@ -65,6 +65,8 @@ int main(int argc, char** argv) {
   bench->add_option("suites", suites, "suites: formats, gemm, grouped, all; ep (under mpirun)")->required()->check(CLI::IsMember({"formats", "gemm", "grouped", "ep", "all"}));
   bench->add_option("--m", bench_options.gemm_m, "gemm: run only these M");
   bench->add_option("--n", bench_options.gemm_n, "gemm: run only the shapes with these N");
+  bench->add_option("--peer-isa", bench_options.peer_isa, "formats: the moekit instruction set timed as the peer")
+      ->check(CLI::IsMember({"scalar", "avx2", "avx512"}));
   bench->add_flag("--quick", bench_options.quick, "small sizes, few repeats (smoke run)");
   bench->add_option("--repeats", bench_options.repeats, "timed repeats (median reported)")->check(CLI::Range(1, 1000));
 
