@@ -1,7 +1,7 @@
 // Dense GEMM front end: argument validation, operand description, and the blocked,
 // multi-threaded driver around the per-ISA pack + microkernel (gemm_kernels.h).
 //
-// Blocking (BLIS order): for each column block jc (kNc wide) and K block pc (kGemmKc deep)
+// Blocking (BLIS order): for each column block jc (kNc wide) and K block pc (kern.kc deep)
 // the B block is packed once (decoded + scaled to f32); for each row block ic (kMc tall)
 // the A block is packed; then micro-panels of B (L1) sweep micro-panels of A (L2).
 // Partial sums live in a per-thread f32 buffer of (rows of the item) x kNc, written to D
@@ -31,7 +31,6 @@ namespace {
 using detail::ceil_div;
 using detail::fail;
 using detail::GemmOperand;
-using detail::kGemmKc;
 
 enum class Side : uint8_t { n, t };  // the layout letter of one operand
 
@@ -168,37 +167,37 @@ constexpr int64_t kAllKBBytes = int64_t{4} << 20;  // packed B per thread, for a
 
 void run_all_k_item(const detail::GemmKernels& kern, const GemmOperand& a, const GemmOperand& b, const Output& out,
                     int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
-  const int64_t k = a.k, rows = m1 - m0, blocks = std::max<int64_t>(1, ceil_div(k, kGemmKc));
+  const int64_t k = a.k, rows = m1 - m0, blocks = std::max<int64_t>(1, ceil_div(k, kern.kc));
   const bool one_row_block = rows <= kMc;
   const int64_t mc_max = std::min(kMc, rows), mc_pad = ceil_div(mc_max, kern.mr) * kern.mr;
-  const int64_t nc_cap = std::max<int64_t>(kern.nr, kAllKBBytes / (4 * blocks * kGemmKc) / kern.nr * kern.nr);
+  const int64_t nc_cap = std::max<int64_t>(kern.nr, kAllKBBytes / (4 * blocks * kern.kc) / kern.nr * kern.nr);
   const int64_t nc_max = std::min(column_block(mc_max, n1 - n0, kern.nr), nc_cap);
   const int64_t nc_pad = ceil_div(nc_max, kern.nr) * kern.nr;
   ThreadBuffers& buf = thread_buffers();
-  float* pa = buf.a.get(static_cast<size_t>(mc_pad * kGemmKc * blocks));
-  float* pb = buf.b.get(static_cast<size_t>(nc_pad * kGemmKc * blocks));
+  float* pa = buf.a.get(static_cast<size_t>(mc_pad * kern.kc * blocks));
+  float* pb = buf.b.get(static_cast<size_t>(nc_pad * kern.kc * blocks));
   float* acc = buf.acc.get(static_cast<size_t>(mc_max * nc_pad));
   auto pack_a = [&](int64_t ic, int64_t mc) {
-    for (int64_t pc = 0; pc < k; pc += kGemmKc)
-      kern.pack(a, ic, mc, pc, std::min(kGemmKc, k - pc), kern.mr, pa + (pc / kGemmKc) * mc_pad * kGemmKc,
+    for (int64_t pc = 0; pc < k; pc += kern.kc)
+      kern.pack(a, ic, mc, pc, std::min(kern.kc, k - pc), kern.mr, pa + (pc / kern.kc) * mc_pad * kern.kc,
                 detail::PackNext::next_rows);
   };
   if (one_row_block) pack_a(m0, rows);
   for (int64_t jc = n0; jc < n1; jc += nc_max) {
     const int64_t nc = std::min(nc_max, n1 - jc);
     for (int64_t p0 = 0; p0 < nc; p0 += kern.nr)
-      for (int64_t pc = 0; pc < k; pc += kGemmKc) {
-        const int64_t kc = std::min(kGemmKc, k - pc);
+      for (int64_t pc = 0; pc < k; pc += kern.kc) {
+        const int64_t kc = std::min(kern.kc, k - pc);
         kern.pack(b, jc + p0, std::min<int64_t>(kern.nr, nc - p0), pc, kc, kern.nr,
-                  pb + (pc / kGemmKc) * nc_pad * kGemmKc + (p0 / kern.nr) * kc * kern.nr, detail::PackNext::next_k);
+                  pb + (pc / kern.kc) * nc_pad * kern.kc + (p0 / kern.nr) * kc * kern.nr, detail::PackNext::next_k);
       }
     for (int64_t ic = m0; ic < m1; ic += kMc) {
       const int64_t mc = std::min(kMc, m1 - ic), panel_stride = mc * kern.nr;
       if (!one_row_block) pack_a(ic, mc);
       if (k == 0) std::fill(acc, acc + mc * nc_pad, 0.0f);
-      for (int64_t pc = 0; pc < k; pc += kGemmKc)
-        sweep(kern, pa + (pc / kGemmKc) * mc_pad * kGemmKc, pb + (pc / kGemmKc) * nc_pad * kGemmKc, mc, nc,
-              std::min(kGemmKc, k - pc), acc, panel_stride, pc > 0);
+      for (int64_t pc = 0; pc < k; pc += kern.kc)
+        sweep(kern, pa + (pc / kern.kc) * mc_pad * kern.kc, pb + (pc / kern.kc) * nc_pad * kern.kc, mc, nc,
+              std::min(kern.kc, k - pc), acc, panel_stride, pc > 0);
       write_block(out, {acc, kern.nr, panel_stride}, ic, ic + mc, jc, nc);
     }
   }
@@ -209,19 +208,19 @@ void run_item(const detail::GemmKernels& kern, const GemmOperand& a, const GemmO
   const int64_t k = a.k;
   const int64_t rows = m1 - m0;
   if (rows <= 0 || n1 <= n0) return;
-  if (rows <= kMc || ceil_div(k, kGemmKc) <= kShortKBlocks) return run_all_k_item(kern, a, b, out, m0, m1, n0, n1);
+  if (rows <= kMc || ceil_div(k, kern.kc) <= kShortKBlocks) return run_all_k_item(kern, a, b, out, m0, m1, n0, n1);
   const int64_t nc_max = column_block(rows, n1 - n0, kern.nr);
   ThreadBuffers& buf = thread_buffers();
   const int64_t mc_max = std::min<int64_t>(kMc, ceil_div(rows, kern.mr) * kern.mr);
-  float* pa = buf.a.get(static_cast<size_t>(mc_max * kGemmKc));
-  float* pb = buf.b.get(static_cast<size_t>(nc_max * kGemmKc));
+  float* pa = buf.a.get(static_cast<size_t>(mc_max * kern.kc));
+  float* pb = buf.b.get(static_cast<size_t>(nc_max * kern.kc));
   const int64_t panel_stride = rows * kern.nr;
   float* acc = buf.acc.get(static_cast<size_t>(rows * ceil_div(nc_max, kern.nr) * kern.nr));
   for (int64_t jc = n0; jc < n1; jc += nc_max) {
     const int64_t nc = std::min(nc_max, n1 - jc);
     if (k == 0) std::fill(acc, acc + rows * ceil_div(nc_max, kern.nr) * kern.nr, 0.0f);
-    for (int64_t pc = 0; pc < k; pc += kGemmKc) {
-      const int64_t kc = std::min(kGemmKc, k - pc);
+    for (int64_t pc = 0; pc < k; pc += kern.kc) {
+      const int64_t kc = std::min(kern.kc, k - pc);
       kern.pack(b, jc, nc, pc, kc, kern.nr, pb, detail::PackNext::next_rows);
       for (int64_t ic = m0; ic < m1; ic += kMc) {
         const int64_t mc = std::min(kMc, m1 - ic);

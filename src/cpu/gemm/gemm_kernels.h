@@ -30,13 +30,15 @@ struct GemmOperand {
 
 enum class PackNext : uint8_t { next_rows, next_k };
 
-// The K block of the large-M path (B micro-panel 256 x nr f32 stays in L1). Partial sums
-// are kept in f32 between blocks and reloaded exactly, so the block size does not change
-// results: every element is one FMA chain in K order on every path.
+// The largest K block of the blocked paths; each target picks its own (GemmKernels::kc) so
+// that a B micro-panel (kc x nr f32) fills half of a 32 KiB L1. Partial sums are kept in f32
+// between blocks and reloaded exactly, so the block size does not change results: every
+// element is one FMA chain in K order on every path.
 inline constexpr int64_t kGemmKc = 256;
 
 struct GemmKernels {
   int mr = 0, nr = 0;  // register tile
+  int64_t kc = kGemmKc;  // K block (≤ kGemmKc)
   // Packs operand rows [mn0, mn0 + count) x columns [k0, k0 + kc) as f32 micro-panels of
   // `width` rows: panel p holds, for each kk, `width` consecutive values (zero-padded past
   // count). Values are decoded and multiplied by their scale. `next` says what the caller
