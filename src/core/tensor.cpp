@@ -275,7 +275,10 @@ Tensor Tensor::contiguous() const {
 Tensor Tensor::to(Device device) const {
   if (!defined_) fail("Tensor::to", "self", "a defined tensor", "an undefined tensor");
   if (device == device_) return *this;
-  if (device_.is_cuda() && !is_contiguous())
+  if (!detail::cuda_backend_built())  // every other copy involves a GPU
+    fail("Tensor::to", device_.is_cuda() ? "self" : "device", "cpu (this moekit was built without MOEKIT_CUDA)",
+         device_.is_cuda() ? device_.str() : device.str());
+  if (device_.is_cuda() && numel() > 0 && !is_contiguous())
     fail("Tensor::to", "self", "a contiguous tensor when copying from a GPU", "strides " + shape_str(strides_));
   const Tensor src = contiguous();  // CPU sources are packed here first
   Tensor dst = empty(shape_, dtype_, device);

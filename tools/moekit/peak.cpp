@@ -12,6 +12,7 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <set>
 #include <memory>
 
 #include "moekit/runtime.h"
@@ -139,20 +140,32 @@ double measure_read_bandwidth(int64_t bytes, int repeats) {
   return best;
 }
 
+// The data caches of the highest level, each counted once (by the CPUs sharing it), summed:
+// on multi-die or multi-socket CPUs every die's L3 holds part of an all-thread working set.
 int64_t last_level_cache_bytes() {
-  int64_t best = 0;
-  for (int index = 0; index < 8; ++index) {
-    const std::string dir = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(index) + "/";
-    std::ifstream type_file(dir + "type"), size_file(dir + "size");
-    std::string type, size;
-    if (!(type_file >> type) || !(size_file >> size) || type == "Instruction" || size.empty()) continue;
-    const char unit = size.back();
-    int64_t bytes = std::atoll(size.c_str());
-    bytes *= unit == 'K' ? 1024 : unit == 'M' ? 1024 * 1024 : unit == 'G' ? int64_t{1} << 30 : 1;
-    best = std::max(best, bytes);
-  }
-  if (best == 0) best = std::max<int64_t>(0, sysconf(_SC_LEVEL3_CACHE_SIZE));
-  return best > 0 ? best : int64_t{32} << 20;
+  int best_level = 0;
+  int64_t total = 0;
+  std::set<std::string> seen;  // shared_cpu_list of the caches counted at best_level
+  const long cpus = std::max(1L, sysconf(_SC_NPROCESSORS_CONF));
+  for (long cpu = 0; cpu < cpus; ++cpu)
+    for (int index = 0; index < 16; ++index) {
+      const std::string dir = "/sys/devices/system/cpu/cpu" + std::to_string(cpu) + "/cache/index" + std::to_string(index) + "/";
+      std::ifstream type_file(dir + "type"), size_file(dir + "size"), level_file(dir + "level"), shared_file(dir + "shared_cpu_list");
+      std::string type, size, shared;
+      int level = 0;
+      if (!(type_file >> type) || !(size_file >> size) || !(level_file >> level) || type == "Instruction" || size.empty())
+        continue;
+      shared_file >> shared;
+      if (level < best_level) continue;
+      if (level > best_level) best_level = level, total = 0, seen.clear();
+      if (!seen.insert(shared.empty() ? std::to_string(cpu) : shared).second) continue;
+      const char unit = size.back();
+      int64_t bytes = std::atoll(size.c_str());
+      bytes *= unit == 'K' ? 1024 : unit == 'M' ? 1024 * 1024 : unit == 'G' ? int64_t{1} << 30 : 1;
+      total += bytes;
+    }
+  if (total == 0) total = std::max<int64_t>(0, sysconf(_SC_LEVEL3_CACHE_SIZE));
+  return total > 0 ? total : int64_t{32} << 20;
 }
 
 int64_t dram_working_set(int64_t floor) { return std::max(floor, 4 * last_level_cache_bytes()); }

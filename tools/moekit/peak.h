@@ -20,7 +20,8 @@ struct PeakOptions {
 };
 
 std::vector<Ceiling> measure_peak(const PeakOptions& options);
-// The largest data cache of this CPU (sysfs, else sysconf; 32 MiB when neither says).
+// The last-level data caches of this machine, summed over dies and sockets (sysfs, else
+// sysconf; 32 MiB when neither says).
 int64_t last_level_cache_bytes();
 // A working set that streams from DRAM: at least `floor` and at least 4x the last-level
 // cache (hosts with hundreds of MiB of L3 would otherwise serve "DRAM" rows from cache).

@@ -155,7 +155,7 @@ void sweep(const detail::GemmKernels& kern, const float* pa, const float* pb, in
 //   once; each column block of B is packed a micro-panel at a time over all of K, reading
 //   every B row front to back (a K-major weight read in 256-wide slices across thousands of
 //   rows would touch a new page per row);
-// - short-K items (at most kShortKBlocks K blocks, as in weight gradients): each column block
+// - short-K items (K at most kShortKBlocks blocks of kGemmKc, as in weight gradients): each column block
 //   of B, packed for all of K, is reused by every row block, and A is packed per row block.
 //   The general order below sweeps a rows x nc buffer, far larger than the caches, once per
 //   K block; for K = 512 and f32 outputs of hundreds of MB that traffic outweighs the FMAs.
@@ -208,7 +208,7 @@ void run_item(const detail::GemmKernels& kern, const GemmOperand& a, const GemmO
   const int64_t k = a.k;
   const int64_t rows = m1 - m0;
   if (rows <= 0 || n1 <= n0) return;
-  if (rows <= kMc || ceil_div(k, kern.kc) <= kShortKBlocks) return run_all_k_item(kern, a, b, out, m0, m1, n0, n1);
+  if (rows <= kMc || k <= kShortKBlocks * detail::kGemmKc) return run_all_k_item(kern, a, b, out, m0, m1, n0, n1);
   const int64_t nc_max = column_block(rows, n1 - n0, kern.nr);
   ThreadBuffers& buf = thread_buffers();
   const int64_t mc_max = std::min<int64_t>(kMc, ceil_div(rows, kern.mr) * kern.mr);
