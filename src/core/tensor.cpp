@@ -280,10 +280,11 @@ Tensor Tensor::to(Device device) const {
          device_.is_cuda() ? device_.str() : device.str());
   if (device_.is_cuda() && numel() > 0 && !is_contiguous())
     fail("Tensor::to", "self", "a contiguous tensor when copying from a GPU", "strides " + shape_str(strides_));
-  const Tensor src = contiguous();  // CPU sources are packed here first
   Tensor dst = empty(shape_, dtype_, device);
-  const size_t bytes = static_cast<size_t>(numel()) * element_size();
-  if (bytes > 0) detail::cuda_memcpy(dst.data_, src.data_, bytes, device.is_cuda() ? device.index : device_.index);
+  if (numel() == 0) return dst;
+  const Tensor src = contiguous();  // CPU sources are packed here first (GPU ones already are)
+  detail::cuda_memcpy(dst.data_, src.data_, static_cast<size_t>(numel()) * element_size(),
+                      device.is_cuda() ? device.index : device_.index);
   return dst;
 }
 
