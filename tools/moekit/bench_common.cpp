@@ -1,11 +1,10 @@
 #include "bench_common.h"
 
-#include <cstdio>
-
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <random>
 
 #include "moekit/formats.h"

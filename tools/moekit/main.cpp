@@ -2,7 +2,6 @@
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
-#include <cstdlib>
 #include <nlohmann/json.hpp>
 
 #include "bench_common.h"
@@ -57,10 +56,7 @@ int main(int argc, char** argv) {
   tools::PeakOptions peak_options;
   int64_t peak_mib = 0;  // 0: max(1 GiB, 4x the last-level cache)
   auto* peak = app.add_subcommand("peak", "measure this machine's ceilings (FLOP/s, bandwidth)");
-  peak->add_option("--mib", peak_mib, "bandwidth array size in MiB (default: max(1024, 4x the last-level cache))")->check([](const std::string& v) {
-        const long long mib = std::atoll(v.c_str());
-        return mib == 0 || (mib >= 64 && mib <= (1 << 16)) ? std::string() : std::string("0 (automatic) or 64..65536");
-      });
+  peak->add_option("--mib", peak_mib, "bandwidth array size in MiB (default: max(1024, 4x the last-level cache))")->check(CLI::Range(0, 0) | CLI::Range(64, 1 << 16));
   peak->add_option("--repeats", peak_options.repeats, "timed repeats per way (best kept)")->check(CLI::Range(1, 100));
 
   tools::BenchOptions bench_options;
