@@ -4,11 +4,13 @@
 // counts and ISA paths, and argument validation.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "moekit/error.h"
@@ -143,14 +145,26 @@ struct Case {
   DType out = DType::f32;
   CMode c = CMode::none;
   bool ue8m0 = false;
+  bool packed = false;  // B through pack_*_weights and the *_gemm_packed calls (nt / nn only)
   std::string str() const {
     return std::string(layout_name(layout)) + " " + fmt_name(fa) + " x " + fmt_name(fb) + " m" + std::to_string(m) +
            " n" + std::to_string(n) + " k" + std::to_string(k) + " " + dtype_name(out) +
-           (c == CMode::none ? "" : c == CMode::separate ? " +C" : " +C(in place)") + (ue8m0 ? " ue8m0" : "");
+           (c == CMode::none ? "" : c == CMode::separate ? " +C" : " +C(in place)") + (ue8m0 ? " ue8m0" : "") +
+           (packed ? " packed" : "");
   }
 };
 
 void call(const Case& cs, const Built& a, const Built& b, const Tensor& d, const Tensor& c) {
+  if (cs.packed) {
+    ASSERT_TRUE(cs.layout == Layout::nt || cs.layout == Layout::nn) << "packed calls take A [M, K]";
+    const bool k_major = b_k_major(cs.layout);
+    if (cs.fa == Fmt::bf16) return bf16_gemm_packed(a.q.values, pack_bf16_weights(b.q.values, k_major), d, c);
+    GemmOptions o;
+    o.recipe_b = b.recipe;
+    const PackedWeights w = pack_fp8_fp4_weights(b.q, k_major, o);
+    o.recipe_a = a.recipe;
+    return fp8_fp4_gemm_packed(a.q, w, d, c, o);
+  }
   if (cs.fa == Fmt::bf16) {
     switch (cs.layout) {
       case Layout::nt: bf16_gemm_nt(a.q.values, b.q.values, d, c); return;
@@ -475,6 +489,110 @@ TEST(Gemm, CompatibilityHelpers) {
   const Tensor g = transform_sf_into_required_layout(Tensor::zeros({3, 300, 2}, DType::f32), 300, 200,
                                                      Recipe{1, 128, 128}, 3, true);
   EXPECT_EQ(g.shape(), (Shape{3, 300, 2}));
+}
+
+// ---------------------------------------------------------------- pre-packed weights
+
+// Packed B must give the unpacked call's bits wherever that one packs B too (M > 4), for
+// every format pair, both B layouts, outputs, C modes, scale dtypes, drivers (short and
+// long K, narrow and wide items), thread counts and ISA paths; and match the oracle.
+TEST(GemmPacked, BitIdenticalToUnpackedCall) {
+  ThreadGuard guard;
+  uint64_t seed = 9000;
+  for (int threads : {1, 2}) {
+    set_num_threads(threads);
+    for (Layout layout : {Layout::nt, Layout::nn})
+      for (const FmtPair& pair : kPairs)
+        // (5 x 2100: columns split between threads, K ends in a partial block; 8 x 9000:
+        // several column blocks per thread.)
+        for (auto [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{5, 40, 300}, {37, 70, 1700}, {230, 40, 1700},
+                               {5, 2100, 300}, {8, 9000, 260}}) {
+          Case cs{layout, pair.a, pair.b, m, n, k, (seed & 1) ? DType::bf16 : DType::f32,
+                  (seed % 3 == 0) ? CMode::in_place : (seed % 3 == 1) ? CMode::separate : CMode::none, (seed & 2) != 0};
+          const std::vector<double> unpacked = run_case(cs, seed).got;
+          cs.packed = true;
+          const std::vector<double> packed = check_case(cs, seed);  // also against the oracle
+          EXPECT_EQ(0, std::memcmp(unpacked.data(), packed.data(), packed.size() * sizeof(double))) << cs.str();
+          ++seed;
+        }
+  }
+}
+
+// Weights packed under one ISA keep working (with that ISA's kernels) after the active ISA
+// changes; every ISA's packing gives the same results.
+TEST(GemmPacked, PackedUnderEveryIsa) {
+  const Tensor xa = random_bf16(40, 300, 71), xb = random_bf16(50, 300, 72);
+  const Quantized qa = per_token_cast_to_fp8(xa, false), qb = per_block_cast_to_fp8(xb, false);
+  Tensor want = Tensor::empty({40, 50}, DType::f32);
+  fp8_gemm_nt(qa, qb, want);
+  for_each_isa([&](Isa isa) {
+    const PackedWeights w = pack_fp8_fp4_weights(qb);
+    EXPECT_EQ(w.isa(), isa);
+    EXPECT_EQ(w.n(), 50);
+    EXPECT_EQ(w.k(), 300);
+    EXPECT_EQ(w.source_dtype(), DType::e4m3);
+    EXPECT_GE(w.bytes(), 50 * 300 * 4);
+    for (Isa other : moekit::testing::supported_isas()) {
+      ScopedIsa run_under(other);
+      Tensor d = Tensor::empty({40, 50}, DType::f32);
+      fp8_fp4_gemm_packed(qa, w, d);
+      EXPECT_EQ(0, std::memcmp(want.data(), d.data(), 40 * 50 * 4)) << "run under " << isa_name(other);
+    }
+  });
+}
+
+// M <= 4 (where the unpacked call streams B instead) and edge extents, against the oracle.
+TEST(GemmPacked, SmallMAndEdgeShapesMatchOracle) {
+  uint64_t seed = 9500;
+  for (int64_t m : {1, 2, 4})
+    for (const FmtPair& pair : kPairs) check_case_on_every_isa({Layout::nt, pair.a, pair.b, m, 33, 260, DType::bf16, CMode::separate, false, true}, seed++);
+  check_case_on_every_isa({Layout::nt, Fmt::bf16, Fmt::bf16, 7, 1, 1, DType::f32, CMode::none, false, true}, seed++);
+  check_case_on_every_isa({Layout::nn, Fmt::fp8_token, Fmt::fp8_block, 9, 17, 129, DType::f32, CMode::in_place, true, true}, seed++);
+  // K = 0: D = C (or zeros); N = 0: nothing to do.
+  const PackedWeights w0 = pack_bf16_weights(Tensor::empty({8, 0}, DType::bf16));
+  Tensor d = Tensor::empty({3, 8}, DType::f32);
+  std::fill(d.data_ptr<float>(), d.data_ptr<float>() + 24, 5.0f);
+  bf16_gemm_packed(Tensor::empty({3, 0}, DType::bf16), w0, d);
+  for (int64_t i = 0; i < 24; ++i) EXPECT_EQ(d.data_ptr<float>()[i], 0.0f);
+  const PackedWeights wn = pack_bf16_weights(Tensor::empty({0, 16}, DType::bf16));
+  bf16_gemm_packed(random_bf16(3, 16, 1), wn, Tensor::empty({3, 0}, DType::f32));
+}
+
+// Either packed call takes weights packed by either function: bf16 activations against
+// packed FP8 weights is D = A · dequant(B)ᵀ.
+TEST(GemmPacked, Bf16ActivationsWithPackedFp8Weights) {
+  const Tensor xa = random_bf16(20, 384, 81), xb = random_bf16(48, 384, 82);
+  const Quantized qb = per_block_cast_to_fp8(xb, false);
+  Tensor d = Tensor::empty({20, 48}, DType::f32);
+  bf16_gemm_packed(xa, pack_fp8_fp4_weights(qb), d);
+  const std::vector<double> want = ref::gemm(Layout::nt, {xa, Tensor(), 1, 128}, {qb.values, qb.sf, 128, 128});
+  EXPECT_LE(ref::calc_diff(ref::to_f64(d), want), 1e-6);
+}
+
+TEST(GemmPacked, BadInputRaisesNamedErrors) {
+  const Tensor a = random_bf16(6, 64, 1), b = random_bf16(8, 64, 2);
+  Tensor d = Tensor::empty({6, 8}, DType::f32);
+  const PackedWeights w = pack_bf16_weights(b);
+  EXPECT_MOEKIT_ERROR_ARG(bf16_gemm_packed(a, PackedWeights(), d), "b");
+  EXPECT_MOEKIT_ERROR_ARG(bf16_gemm_packed(random_bf16(6, 65, 3), w, d), "b");  // K mismatch
+  EXPECT_MOEKIT_ERROR_ARG(bf16_gemm_packed(a, pack_bf16_weights(b, false), d), "b");  // [K, N] read: K = 8
+  EXPECT_MOEKIT_ERROR_ARG(bf16_gemm_packed(Tensor::empty({6, 64}, DType::f32), w, d), "a");
+  EXPECT_MOEKIT_ERROR_ARG(bf16_gemm_packed(a.t(), w, d), "a");
+  EXPECT_MOEKIT_ERROR_ARG(bf16_gemm_packed(a, w, Tensor::empty({6, 9}, DType::f32)), "d");
+  EXPECT_MOEKIT_ERROR_ARG(bf16_gemm_packed(a, w, d, Tensor::empty({6, 8}, DType::bf16)), "c");
+  EXPECT_MOEKIT_ERROR_ARG(pack_bf16_weights(Tensor::empty({8, 64}, DType::e4m3)), "b");
+  EXPECT_MOEKIT_ERROR_ARG(pack_bf16_weights(Tensor()), "b");
+  const Quantized qa = per_token_cast_to_fp8(a, false), qb = per_block_cast_to_fp8(b, false);
+  EXPECT_MOEKIT_ERROR_ARG(pack_fp8_fp4_weights({b, qb.sf}), "b.values");
+  EXPECT_MOEKIT_ERROR_ARG(pack_fp8_fp4_weights({qb.values, qa.sf}), "b.sf");  // sf shape
+  EXPECT_MOEKIT_ERROR_ARG(pack_fp8_fp4_weights({qb.values, Tensor()}), "b.sf");
+  const PackedWeights w8 = pack_fp8_fp4_weights(qb);
+  EXPECT_MOEKIT_ERROR_ARG(fp8_fp4_gemm_packed({a, qa.sf}, w8, d), "a.values");
+  EXPECT_MOEKIT_ERROR_ARG(fp8_fp4_gemm_packed({qa.values, Tensor()}, w8, d), "a.sf");
+  EXPECT_MOEKIT_ERROR_ARG(fp8_fp4_gemm_packed(qa, PackedWeights(), d), "b");
+  // FP4 activations whose packed columns do not match the packed weights' K.
+  const Quantized qa4 = per_token_cast_to_fp4(random_bf16(6, 66, 4), false, 32);
+  EXPECT_MOEKIT_ERROR_ARG(fp8_fp4_gemm_packed(qa4, w8, d), "a.values");
 }
 
 }  // namespace

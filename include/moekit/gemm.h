@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "moekit/formats.h"
+#include "moekit/runtime.h"
 #include "moekit/tensor.h"
 
 namespace moekit {
@@ -68,6 +69,47 @@ inline void fp8_gemm_tn(const Quantized& a, const Quantized& b, const Tensor& d,
                         const GemmOptions& options = {}) { fp8_fp4_gemm_tn(a, b, d, c, options); }
 inline void fp8_gemm_tt(const Quantized& a, const Quantized& b, const Tensor& d, const Tensor& c = Tensor(),
                         const GemmOptions& options = {}) { fp8_fp4_gemm_tt(a, b, d, c, options); }
+
+// ---- Pre-packed weights (a CPU extension; DeepGEMM has no equivalent) ----
+// Inference multiplies the same weights by new activations on every call. The blocked CPU
+// GEMM decodes B (bf16 / e4m3 / e2m1 to f32), applies its scales and lays it out in the
+// kernel's micro-panel order on every call; at medium M that is a large part of the time
+// (docs/GEMM.md). Packing once removes it, at 4 bytes per weight.
+//
+// pack_*_weights take B as the nt / nn calls do: k_major = true for B [N, K] (DeepGEMM's
+// 't'), false for B [K, N] ('n'). FP8/FP4 scales as in fp8_fp4_gemm_*, with B's recipe
+// from options.recipe_b, else options.recipe, else the default for B's own dtype
+// ((1, 128, 128) for e4m3, (1, 1, 32) for e2m1). FP4 extents are 2 x the stored columns
+// (the unpacked calls can resolve an odd extent from the other operand; packing cannot).
+// The packed form belongs to the ISA active when it was made, whose kernels then run the
+// calls (so it stays valid if the active ISA changes). Results are bit-identical to the
+// unpacked call whenever that one packs B as well (M > 4, or B not K-major), for any
+// thread count and ISA; at M <= 4 the unpacked call streams B instead (the faster choice
+// for decoding from DRAM), so the two may round differently there.
+class PackedWeights {
+ public:
+  PackedWeights() = default;
+  bool defined() const { return panels_.defined(); }
+  int64_t n() const { return n_; }
+  int64_t k() const { return k_; }
+  DType source_dtype() const { return dtype_; }  // bf16, e4m3 or e2m1x2
+  Isa isa() const { return isa_; }
+  int64_t bytes() const { return panels_.defined() ? panels_.numel() * 4 : 0; }
+
+ private:
+  friend struct PackedWeightsAccess;
+  Tensor panels_;  // f32 [K block][panel of nr columns][kc][nr]; layout owned by gemm.cpp
+  int64_t n_ = 0, k_ = 0;
+  DType dtype_ = DType::bf16;
+  Isa isa_ = Isa::scalar;
+};
+PackedWeights pack_bf16_weights(const Tensor& b, bool k_major = true);
+PackedWeights pack_fp8_fp4_weights(const Quantized& b, bool k_major = true, const GemmOptions& options = {});
+// D = C + A · Bᵀ with A [M, K] and B pre-packed (the nt / nn forms). D, C as above; A's
+// recipe as in fp8_fp4_gemm_* (default (1, 1, 32) when A or the packed B is FP4).
+void bf16_gemm_packed(const Tensor& a, const PackedWeights& b, const Tensor& d, const Tensor& c = Tensor());
+void fp8_fp4_gemm_packed(const Quantized& a, const PackedWeights& b, const Tensor& d, const Tensor& c = Tensor(),
+                         const GemmOptions& options = {});
 
 // ---- compatibility helpers ----
 // align(mn, 16 / element_size): upstream's TMA alignment of MN-major scale tensors.

@@ -83,6 +83,18 @@ ThreadBuffers& thread_buffers() {
 
 // ---------------------------------------------------------------- the driver
 
+// B's micro-panels when the caller packed them once (PackedWeights): f32
+// [K block][panel of nr columns][kc][nr], every K block n_pad columns wide, so block pc
+// starts at pc * n_pad and its panels are kc x nr apart, exactly as the driver packs a
+// block itself. Null data: B is packed in every call.
+struct Prepacked {
+  const float* data = nullptr;
+  int64_t n_pad = 0;
+  const float* at(const detail::GemmKernels& kern, int64_t jc, int64_t pc, int64_t kc) const {
+    return data + pc * n_pad + (jc / kern.nr) * kc * kern.nr;
+  }
+};
+
 // Partial sums of a block of D, stored panel by panel: element (i, j) of the block is at
 // data[(j / width) * panel_stride + i * width + j % width]. width = the block's columns
 // gives plain row-major storage.
@@ -166,17 +178,18 @@ void sweep(const detail::GemmKernels& kern, const float* pa, const float* pb, in
 constexpr int64_t kShortKBlocks = 6;
 constexpr int64_t kAllKBBytes = int64_t{4} << 20;  // packed B per thread, for all of K
 
-void run_all_k_item(const detail::GemmKernels& kern, const GemmOperand& a, const GemmOperand& b, const Output& out,
-                    int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+void run_all_k_item(const detail::GemmKernels& kern, const GemmOperand& a, const GemmOperand& b, const Prepacked& pre,
+                    const Output& out, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
   const int64_t k = a.k, rows = m1 - m0, blocks = std::max<int64_t>(1, ceil_div(k, kern.kc));
   const bool one_row_block = rows <= kMc;
   const int64_t mc_max = std::min(kMc, rows), mc_pad = ceil_div(mc_max, kern.mr) * kern.mr;
   const int64_t nc_cap = std::max<int64_t>(kern.nr, kAllKBBytes / (4 * blocks * kern.kc) / kern.nr * kern.nr);
-  const int64_t nc_max = std::min(column_block(mc_max, n1 - n0, kern.nr), nc_cap);
+  const int64_t nc_max = pre.data ? column_block(mc_max, n1 - n0, kern.nr)
+                                  : std::min(column_block(mc_max, n1 - n0, kern.nr), nc_cap);
   const int64_t nc_pad = ceil_div(nc_max, kern.nr) * kern.nr;
   ThreadBuffers& buf = thread_buffers();
   float* pa = buf.a.get(static_cast<size_t>(mc_pad * kern.kc * blocks));
-  float* pb = buf.b.get(static_cast<size_t>(nc_pad * kern.kc * blocks));
+  float* pb = pre.data ? nullptr : buf.b.get(static_cast<size_t>(nc_pad * kern.kc * blocks));
   float* acc = buf.acc.get(static_cast<size_t>(mc_max * nc_pad));
   auto pack_a = [&](int64_t ic, int64_t mc) {
     for (int64_t pc = 0; pc < k; pc += kern.kc)
@@ -186,7 +199,10 @@ void run_all_k_item(const detail::GemmKernels& kern, const GemmOperand& a, const
   if (one_row_block) pack_a(m0, rows);
   for (int64_t jc = n0; jc < n1; jc += nc_max) {
     const int64_t nc = std::min(nc_max, n1 - jc);
-    for (int64_t p0 = 0; p0 < nc; p0 += kern.nr)
+    auto b_block = [&](int64_t pc) {
+      return pre.data ? pre.at(kern, jc, pc, std::min(kern.kc, k - pc)) : pb + (pc / kern.kc) * nc_pad * kern.kc;
+    };
+    for (int64_t p0 = 0; p0 < (pre.data ? 0 : nc); p0 += kern.nr)
       for (int64_t pc = 0; pc < k; pc += kern.kc) {
         const int64_t kc = std::min(kern.kc, k - pc);
         kern.pack(b, jc + p0, std::min<int64_t>(kern.nr, nc - p0), pc, kc, kern.nr,
@@ -197,24 +213,25 @@ void run_all_k_item(const detail::GemmKernels& kern, const GemmOperand& a, const
       if (!one_row_block) pack_a(ic, mc);
       if (k == 0) std::fill(acc, acc + mc * nc_pad, 0.0f);
       for (int64_t pc = 0; pc < k; pc += kern.kc)
-        sweep(kern, pa + (pc / kern.kc) * mc_pad * kern.kc, pb + (pc / kern.kc) * nc_pad * kern.kc, mc, nc,
-              std::min(kern.kc, k - pc), acc, panel_stride, pc > 0);
+        sweep(kern, pa + (pc / kern.kc) * mc_pad * kern.kc, b_block(pc), mc, nc, std::min(kern.kc, k - pc), acc,
+              panel_stride, pc > 0);
       write_block(out, {acc, kern.nr, panel_stride}, ic, ic + mc, jc, nc);
     }
   }
 }
 
-void run_item(const detail::GemmKernels& kern, const GemmOperand& a, const GemmOperand& b, const Output& out,
-              int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+void run_item(const detail::GemmKernels& kern, const GemmOperand& a, const GemmOperand& b, const Prepacked& pre,
+              const Output& out, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
   const int64_t k = a.k;
   const int64_t rows = m1 - m0;
   if (rows <= 0 || n1 <= n0) return;
-  if (rows <= kMc || k <= kShortKBlocks * detail::kGemmKc) return run_all_k_item(kern, a, b, out, m0, m1, n0, n1);
+  if (rows <= kMc || k <= kShortKBlocks * detail::kGemmKc)
+    return run_all_k_item(kern, a, b, pre, out, m0, m1, n0, n1);
   const int64_t nc_max = column_block(rows, n1 - n0, kern.nr);
   ThreadBuffers& buf = thread_buffers();
   const int64_t mc_max = std::min<int64_t>(kMc, ceil_div(rows, kern.mr) * kern.mr);
   float* pa = buf.a.get(static_cast<size_t>(mc_max * kern.kc));
-  float* pb = buf.b.get(static_cast<size_t>(nc_max * kern.kc));
+  float* pb = pre.data ? nullptr : buf.b.get(static_cast<size_t>(nc_max * kern.kc));
   const int64_t panel_stride = rows * kern.nr;
   float* acc = buf.acc.get(static_cast<size_t>(rows * ceil_div(nc_max, kern.nr) * kern.nr));
   for (int64_t jc = n0; jc < n1; jc += nc_max) {
@@ -222,11 +239,13 @@ void run_item(const detail::GemmKernels& kern, const GemmOperand& a, const GemmO
     if (k == 0) std::fill(acc, acc + rows * ceil_div(nc_max, kern.nr) * kern.nr, 0.0f);
     for (int64_t pc = 0; pc < k; pc += kern.kc) {
       const int64_t kc = std::min(kern.kc, k - pc);
-      kern.pack(b, jc, nc, pc, kc, kern.nr, pb, detail::PackNext::next_rows);
+      const float* bp = pb;
+      if (pre.data) bp = pre.at(kern, jc, pc, kc);
+      else kern.pack(b, jc, nc, pc, kc, kern.nr, pb, detail::PackNext::next_rows);
       for (int64_t ic = m0; ic < m1; ic += kMc) {
         const int64_t mc = std::min(kMc, m1 - ic);
         kern.pack(a, ic, mc, pc, kc, kern.mr, pa, detail::PackNext::next_rows);
-        sweep(kern, pa, pb, mc, nc, kc, acc + (ic - m0) * kern.nr, panel_stride, pc > 0);
+        sweep(kern, pa, bp, mc, nc, kc, acc + (ic - m0) * kern.nr, panel_stride, pc > 0);
       }
     }
     write_block(out, {acc, kern.nr, panel_stride}, m0, m1, jc, nc);
@@ -252,12 +271,14 @@ void run_small_m(const detail::GemmKernels& kern, const GemmOperand& a, const Ge
   }
 }
 
-void run_gemm(const GemmOperand& a, const GemmOperand& b, const Output& out) {
+// pre: B's pre-packed panels (then b only gives its extents), made by the kernels of `isa`.
+void run_gemm(const GemmOperand& a, const GemmOperand& b, const Output& out, const Prepacked& pre = {},
+              Isa isa = active_isa()) {
   const int64_t m = a.mn, n = b.mn, k = a.k;
   if (m == 0 || n == 0) return;
-  const detail::GemmKernels& kern = detail::gemm_kernels(active_isa());
+  const detail::GemmKernels& kern = detail::gemm_kernels(isa);
   // (B groups must be whole lanes: the per-group sums of the small-M path are 8 lanes wide.)
-  if (m <= detail::kGemmSmallM && a.k_major && b.k_major && k > 0 && (!b.sf || b.gran_k % 8 == 0)) {
+  if (!pre.data && m <= detail::kGemmSmallM && a.k_major && b.k_major && k > 0 && (!b.sf || b.gran_k % 8 == 0)) {
     const double bytes = static_cast<double>(n) * static_cast<double>(k);
     run_small_m(kern, a, b, out, bytes < 1e6 ? 1 : std::max(1, num_threads()));
     return;
@@ -269,9 +290,10 @@ void run_gemm(const GemmOperand& a, const GemmOperand& b, const Output& out) {
   // thread; splitting columns repacks A once per column block of each thread.
   const int64_t tiles_m = ceil_div(m, kern.mr), tiles_n = ceil_div(n, kern.nr);
   const int64_t nc_m = column_block(ceil_div(m, threads), n, kern.nr), nc_n = column_block(m, ceil_div(n, threads), kern.nr);
-  const double pack_split_m = static_cast<double>(n) * threads + static_cast<double>(m) * ceil_div(n, nc_m);
-  const double pack_split_n =
-      static_cast<double>(n) + static_cast<double>(m) * threads * ceil_div(ceil_div(n, threads), nc_n);
+  // (Pre-packed B costs nothing to re-read.)
+  const double b_packs = pre.data ? 0.0 : static_cast<double>(n);
+  const double pack_split_m = b_packs * threads + static_cast<double>(m) * ceil_div(n, nc_m);
+  const double pack_split_n = b_packs + static_cast<double>(m) * threads * ceil_div(ceil_div(n, threads), nc_n);
   const bool split_m = tiles_n < threads || (tiles_m >= threads && pack_split_m <= pack_split_n);
   const int64_t chunk_m = split_m ? ceil_div(tiles_m, threads) * kern.mr : m;
   const int64_t chunk_n = split_m ? n : ceil_div(tiles_n, threads) * kern.nr;
@@ -280,7 +302,7 @@ void run_gemm(const GemmOperand& a, const GemmOperand& b, const Output& out) {
     const int64_t t = omp_get_thread_num();
     const int64_t m0 = split_m ? std::min(m, t * chunk_m) : 0;
     const int64_t n0 = split_m ? 0 : std::min(n, t * chunk_n);
-    run_item(kern, a, b, out, m0, std::min(m, m0 + chunk_m), n0, std::min(n, n0 + chunk_n));
+    run_item(kern, a, b, pre, out, m0, std::min(m, m0 + chunk_m), n0, std::min(n, n0 + chunk_n));
   }
 }
 
@@ -390,7 +412,85 @@ void scaled_gemm(const char* fn, Side sa, Side sb, const Quantized& a, const Qua
   run_gemm(ga, gb, describe_output(fn, d, c, ga.mn, gb.mn));
 }
 
+// ---------------------------------------------------------------- pre-packed weights
+
+// B packed panel by panel (panels are independent, so any thread split gives the same
+// bytes), every panel over all of K, by the active ISA's pack: the same bytes the driver
+// would pack for any block of it.
+PackedWeights pack_weights(const GemmOperand& b);
+
+// The packed B's panels for run_gemm, after checking the extents against A and D.
+void run_packed(const char* fn, const GemmOperand& a, const PackedWeights& b, const Tensor& d, const Tensor& c);
+
 }  // namespace
+
+struct PackedWeightsAccess {
+  static PackedWeights make(Tensor panels, int64_t n, int64_t k, DType dtype, Isa isa) {
+    PackedWeights w;
+    w.panels_ = std::move(panels);
+    w.n_ = n, w.k_ = k, w.dtype_ = dtype, w.isa_ = isa;
+    return w;
+  }
+  static const float* data(const PackedWeights& w) { return static_cast<const float*>(w.panels_.data()); }
+};
+
+namespace {
+
+PackedWeights pack_weights(const GemmOperand& b) {
+  const Isa isa = active_isa();
+  const detail::GemmKernels& kern = detail::gemm_kernels(isa);
+  const int64_t n_pad = ceil_div(b.mn, kern.nr) * kern.nr, panels = n_pad / kern.nr;
+  Tensor out = Tensor::empty({n_pad * b.k}, DType::f32);
+  float* data = static_cast<float*>(out.data());
+  const double elements = static_cast<double>(n_pad) * static_cast<double>(b.k);
+#pragma omp parallel for schedule(static) num_threads(elements < 1e6 ? 1 : std::max(1, num_threads()))
+  for (int64_t p = 0; p < panels; ++p)
+    for (int64_t pc = 0; pc < b.k; pc += kern.kc) {
+      const int64_t kc = std::min(kern.kc, b.k - pc);
+      kern.pack(b, p * kern.nr, std::min<int64_t>(kern.nr, b.mn - p * kern.nr), pc, kc, kern.nr,
+                data + pc * n_pad + p * kc * kern.nr, detail::PackNext::next_k);
+    }
+  return PackedWeightsAccess::make(std::move(out), b.mn, b.k, b.dtype, isa);
+}
+
+void run_packed(const char* fn, const GemmOperand& a, const PackedWeights& b, const Tensor& d, const Tensor& c) {
+  if (!b.defined()) fail(fn, "b", "weights made by pack_bf16_weights / pack_fp8_fp4_weights", "an empty PackedWeights");
+  if (a.k != b.k()) fail(fn, "b", "K = " + std::to_string(a.k) + " (from a)", "K = " + std::to_string(b.k()));
+  GemmOperand gb;  // extents only: the values come from the panels
+  gb.dtype = b.source_dtype();
+  gb.mn = b.n();
+  gb.k = b.k();
+  const int64_t nr = detail::gemm_kernels(b.isa()).nr;
+  run_gemm(a, gb, describe_output(fn, d, c, a.mn, b.n()), Prepacked{PackedWeightsAccess::data(b), ceil_div(b.n(), nr) * nr},
+           b.isa());
+}
+
+}  // namespace
+
+PackedWeights pack_bf16_weights(const Tensor& b, bool k_major) {
+  return pack_weights(describe("pack_bf16_weights", "b", b, k_major, {DType::bf16}));
+}
+
+PackedWeights pack_fp8_fp4_weights(const Quantized& b, bool k_major, const GemmOptions& options) {
+  const char* fn = "pack_fp8_fp4_weights";
+  GemmOperand gb = describe(fn, "b.values", b.values, k_major, {DType::e4m3, DType::e2m1x2});
+  attach_scales(fn, "b.sf", gb, b.sf, resolve(options, false, gb.dtype == DType::e2m1x2));
+  return pack_weights(gb);
+}
+
+void bf16_gemm_packed(const Tensor& a, const PackedWeights& b, const Tensor& d, const Tensor& c) {
+  run_packed("bf16_gemm_packed", describe("bf16_gemm_packed", "a", a, true, {DType::bf16}), b, d, c);
+}
+
+void fp8_fp4_gemm_packed(const Quantized& a, const PackedWeights& b, const Tensor& d, const Tensor& c,
+                         const GemmOptions& options) {
+  const char* fn = "fp8_fp4_gemm_packed";
+  GemmOperand ga = describe(fn, "a.values", a.values, true, {DType::e4m3, DType::e2m1x2});
+  const bool a_fp4 = ga.dtype == DType::e2m1x2;
+  if (a_fp4 && b.defined()) resolve_packed_extent(fn, "a.values", ga.k, b.k(), ga.k / 2);
+  attach_scales(fn, "a.sf", ga, a.sf, resolve(options, true, a_fp4 || b.source_dtype() == DType::e2m1x2));
+  run_packed(fn, ga, b, d, c);
+}
 
 void bf16_gemm_nt(const Tensor& a, const Tensor& b, const Tensor& d, const Tensor& c) {
   bf16_gemm("bf16_gemm_nt", Side::n, Side::t, a, b, d, c);
