@@ -193,21 +193,53 @@ void bench_gemm(const BenchOptions& o) {
         row.notes = {{"ok_vs_oracle", ok ? "yes" : "NO"}, {"out", "bf16"}, {"recipe", kind == Kind::bf16 ? "-" : kind == Kind::fp8 ? "1,128,128" : "1,1,32 ue8m0"}};
         // Small M is memory-bound: report GB/s of what must be read (B + scales + A) and
         // written (D) against the read bandwidth; otherwise TFLOPS against bf16 dot peak.
-        const double b_bytes = w_bytes;
-        if (m <= 16) {
-          row.notes["weight_copies"] = std::to_string(copies);
-          const double bytes = b_bytes + static_cast<double>(m * k) * 2.0 + static_cast<double>(m * n) * 2.0;
-          row.gbps = bytes / (row.time.median_us * 1e3);
-          row.ceiling = "read_bw";
-          row.notes["tflops"] = fmt::format("{:.4f}", flops / (row.time.median_us * 1e6));
-          // Which ceiling binds (on AVX2, M = 16 and even M = 4 are compute-bound), and the
-          // time against the roofline max(bytes / read_bw, flops / bf16_flops).
-          row.roofline_bytes = bytes, row.roofline_flops = flops;
-        } else {
-          row.tflops = flops / (row.time.median_us * 1e6);
-          row.ceiling = "bf16_flops";
-        }
+        auto throughput = [&](Row& r, double b_bytes, int weight_copies) {
+          if (m <= 16) {
+            r.notes["weight_copies"] = std::to_string(weight_copies);
+            const double bytes = b_bytes + static_cast<double>(m * k) * 2.0 + static_cast<double>(m * n) * 2.0;
+            r.gbps = bytes / (r.time.median_us * 1e3);
+            r.ceiling = "read_bw";
+            r.notes["tflops"] = fmt::format("{:.4f}", flops / (r.time.median_us * 1e6));
+            // Which ceiling binds (on AVX2, M = 16 and even M = 4 are compute-bound), and the
+            // time against the roofline max(bytes / read_bw, flops / bf16_flops).
+            r.roofline_bytes = bytes, r.roofline_flops = flops;
+          } else {
+            r.tflops = flops / (r.time.median_us * 1e6);
+            r.ceiling = "bf16_flops";
+          }
+        };
+        throughput(row, w_bytes, copies);
         rows_out.push_back(row);
+
+        // Pre-packed weights (moekit's CPU extension, docs/GEMM.md) at medium M, where packing
+        // B is a large part of the call, timed alternately against the unpacked call. The
+        // packed form is f32 (4 bytes per weight): memory-bound rows count those bytes and
+        // cycle through enough packed copies to stream them from DRAM.
+        if (m > 4 && m <= 256) {
+          const double p_bytes = static_cast<double>(n * k) * 4.0;
+          const int p_copies = m <= 16 ? static_cast<int>(std::clamp(std::ceil(working_set / p_bytes), 1.0, 1024.0)) : 1;
+          auto pack = [&] { return kind == Kind::bf16 ? pack_bf16_weights(xb) : pack_fp8_fp4_weights({qb.values, qb.sf}); };
+          std::vector<PackedWeights> packed;
+          const Timing pack_time = time_it([&] { packed.push_back(pack()); }, 1, 0);  // once: the one-off cost
+          while (static_cast<int>(packed.size()) < p_copies) packed.push_back(pack());
+          int p_turn = 0;
+          auto run_packed = [&] {
+            const PackedWeights& w = packed[static_cast<size_t>(p_turn++ % p_copies)];
+            if (kind == Kind::bf16) bf16_gemm_packed(xa, w, d);
+            else fp8_fp4_gemm_packed(qa, w, d);
+          };
+          Row prow = row;
+          prow.kernel = kind == Kind::bf16 ? "bf16_gemm_packed" : "fp8_fp4_gemm_packed";
+          std::tie(prow.time, prow.peer_time) = time_interleaved(run_packed, run, repeats);
+          prow.peer = "moekit " + row.kernel + " (unpacked)";
+          run_packed();
+          prow.calc_diff = corner_diff(d, ra, rb, check_rows, check_cols);
+          prow.notes["ok_vs_oracle"] = prow.calc_diff <= 1e-5 ? "yes" : "NO";
+          prow.notes["pack_ms"] = fmt::format("{:.1f}", pack_time.median_us / 1e3);
+          prow.notes["packed_MiB"] = fmt::format("{:.0f}", p_bytes / (1 << 20));
+          throughput(prow, p_bytes, p_copies);
+          rows_out.push_back(prow);
+        }
       }
     }
   ceilings.remeasure();

@@ -290,10 +290,11 @@ void run_gemm(const GemmOperand& a, const GemmOperand& b, const Output& out, con
   // thread; splitting columns repacks A once per column block of each thread.
   const int64_t tiles_m = ceil_div(m, kern.mr), tiles_n = ceil_div(n, kern.nr);
   const int64_t nc_m = column_block(ceil_div(m, threads), n, kern.nr), nc_n = column_block(m, ceil_div(n, threads), kern.nr);
-  // (Pre-packed B costs nothing to re-read.)
-  const double b_packs = pre.data ? 0.0 : static_cast<double>(n);
-  const double pack_split_m = b_packs * threads + static_cast<double>(m) * ceil_div(n, nc_m);
-  const double pack_split_n = b_packs + static_cast<double>(m) * threads * ceil_div(ceil_div(n, threads), nc_n);
+  // (Pre-packed B is not packed again but read by every thread that uses it: 4 bytes per
+  // weight from DRAM, the same cost model.)
+  const double pack_split_m = static_cast<double>(n) * threads + static_cast<double>(m) * ceil_div(n, nc_m);
+  const double pack_split_n =
+      static_cast<double>(n) + static_cast<double>(m) * threads * ceil_div(ceil_div(n, threads), nc_n);
   const bool split_m = tiles_n < threads || (tiles_m >= threads && pack_split_m <= pack_split_n);
   const int64_t chunk_m = split_m ? ceil_div(tiles_m, threads) * kern.mr : m;
   const int64_t chunk_n = split_m ? n : ceil_div(tiles_n, threads) * kern.nr;
