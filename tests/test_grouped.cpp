@@ -125,15 +125,19 @@ void expect_matches(const Tensor& d, const std::vector<double>& want, const std:
   }
 }
 
-void run_contiguous(Kind kind, const Activations& a, const Weights& w, const Tensor& d, const Tensor& layout, bool psum) {
+// packed: the weights through pack_*_weights_grouped and the *_packed_contiguous calls.
+void run_contiguous(Kind kind, const Activations& a, const Weights& w, const Tensor& d, const Tensor& layout, bool psum,
+                    bool packed = false) {
   if (kind == Kind::bf16) {
-    m_grouped_bf16_gemm_nt_contiguous(a.q.values, w.q.values, d, layout, psum);
+    if (packed) m_grouped_bf16_gemm_packed_contiguous(a.q.values, pack_bf16_weights_grouped(w.q.values), d, layout, psum);
+    else m_grouped_bf16_gemm_nt_contiguous(a.q.values, w.q.values, d, layout, psum);
     return;
   }
   GemmOptions o;
   o.recipe_a = OperandRecipe{1, a.gran_k};
   o.recipe_b = OperandRecipe{w.gran_n, w.gran_k};
-  m_grouped_fp8_gemm_nt_contiguous(a.q, w.q, d, layout, psum, o);
+  if (packed) m_grouped_fp8_fp4_gemm_packed_contiguous(a.q, pack_fp8_fp4_weights_grouped(w.q, true, o), d, layout, psum, o);
+  else m_grouped_fp8_gemm_nt_contiguous(a.q, w.q, d, layout, psum, o);
 }
 
 // Row -> group of a psum layout (as gemm.md defines it), for the oracle.
@@ -169,11 +173,13 @@ TEST(Grouped, ContiguousPerRowLayout) {
     SCOPED_TRACE(static_cast<int>(kind));
     const Activations a = make_activations(kind, random_bf16({m, k}, 1));
     const Weights w = make_weights(kind, groups, n, k, 2);
-    for (DType out : {DType::f32, DType::bf16}) {
-      Tensor d = filled({m, n}, out);
-      run_contiguous(kind, a, w, d, i32(rg), false);
-      expect_matches(d, expected_contiguous(a, w, rg, n), rg, n);
-    }
+    for (DType out : {DType::f32, DType::bf16})
+      for (bool packed : {false, true}) {
+        SCOPED_TRACE(packed ? "packed" : "unpacked");
+        Tensor d = filled({m, n}, out);
+        run_contiguous(kind, a, w, d, i32(rg), false, packed);
+        expect_matches(d, expected_contiguous(a, w, rg, n), rg, n);
+      }
   }
 }
 
@@ -255,19 +261,35 @@ TEST(Grouped, Masked) {
         a.sf.select(0, g).copy_from(per[static_cast<size_t>(g)].q.sf);
       }
     }
-    Tensor d = filled({groups, max_m, n}, DType::f32);
-    if (kind == Kind::bf16) {
-      m_grouped_bf16_gemm_nt_masked(a.values, w.q.values, d, i32(masked), 16);
-    } else {
-      GemmOptions o;
-      o.recipe_a = OperandRecipe{1, per[0].gran_k};
-      o.recipe_b = OperandRecipe{w.gran_n, w.gran_k};
-      m_grouped_fp8_gemm_nt_masked(a, w.q, d, i32(masked), 16, o);
-    }
-    for (int64_t g = 0; g < groups; ++g) {
-      std::vector<int32_t> rg(static_cast<size_t>(max_m), -1);
-      for (int32_t r = 0; r < masked[static_cast<size_t>(g)]; ++r) rg[static_cast<size_t>(r)] = static_cast<int32_t>(g);
-      expect_matches(d.select(0, g), expected_contiguous(per[static_cast<size_t>(g)], w, rg, n), rg, n);
+    Tensor unpacked;
+    for (bool packed : {false, true}) {
+      SCOPED_TRACE(packed ? "packed" : "unpacked");
+      Tensor d = filled({groups, max_m, n}, DType::f32);
+      if (kind == Kind::bf16) {
+        if (packed) m_grouped_bf16_gemm_packed_masked(a.values, pack_bf16_weights_grouped(w.q.values), d, i32(masked), 16);
+        else m_grouped_bf16_gemm_nt_masked(a.values, w.q.values, d, i32(masked), 16);
+      } else {
+        GemmOptions o;
+        o.recipe_a = OperandRecipe{1, per[0].gran_k};
+        o.recipe_b = OperandRecipe{w.gran_n, w.gran_k};
+        if (packed) m_grouped_fp8_fp4_gemm_packed_masked(a, pack_fp8_fp4_weights_grouped(w.q, true, o), d, i32(masked), 16, o);
+        else m_grouped_fp8_gemm_nt_masked(a, w.q, d, i32(masked), 16, o);
+      }
+      for (int64_t g = 0; g < groups; ++g) {
+        std::vector<int32_t> rg(static_cast<size_t>(max_m), -1);
+        for (int32_t r = 0; r < masked[static_cast<size_t>(g)]; ++r) rg[static_cast<size_t>(r)] = static_cast<int32_t>(g);
+        expect_matches(d.select(0, g), expected_contiguous(per[static_cast<size_t>(g)], w, rg, n), rg, n);
+      }
+      // Groups of more than 4 rows (1 and 3 take the unpacked call's streaming path) give
+      // the unpacked call's bits.
+      if (!packed) {
+        unpacked = d;
+        continue;
+      }
+      for (int64_t g : {1, 3})
+        EXPECT_EQ(0, std::memcmp(unpacked.select(0, g).data(), d.select(0, g).data(),
+                                 static_cast<size_t>(masked[static_cast<size_t>(g)] * n) * 4))
+            << "group " << g;
     }
   }
 }
@@ -377,6 +399,21 @@ TEST(Grouped, BadInputRaisesNamedErrors) {
   EXPECT_MOEKIT_ERROR_ARG(m_grouped_fp8_gemm_nt_masked(qm, w.q, d8, i32({1, 5}), 1), "masked_m");
   EXPECT_MOEKIT_ERROR_ARG(m_grouped_fp8_gemm_nt_masked({qm.values, qa.sf}, w.q, d8, i32({1, 1}), 1), "a.sf");
   EXPECT_MOEKIT_ERROR_ARG(m_grouped_fp8_gemm_nt_masked(qm, w.q, Tensor::empty({2, 4, 16}, DType::e4m3), i32({1, 1}), 1), "d");
+  for (int64_t i = 0; i < d8.numel(); ++i) ASSERT_EQ(d8.data_ptr<float>()[i], kSentinel);
+  // Packed weights: missing, of another shape, or of the wrong group count.
+  const std::vector<PackedWeights> pw = pack_bf16_weights_grouped(b);
+  EXPECT_MOEKIT_ERROR_ARG(m_grouped_bf16_gemm_packed_contiguous(a, {pw[0], PackedWeights()}, d, i32({4, 8}), true), "b[1]");
+  EXPECT_MOEKIT_ERROR_ARG(m_grouped_bf16_gemm_packed_contiguous(a, {pw[0], pack_bf16_weights(random_bf16({17, 64}, 19))}, d,
+                                                                i32({4, 8}), true),
+                          "b[1]");
+  EXPECT_MOEKIT_ERROR_ARG(m_grouped_bf16_gemm_packed_contiguous(a, pw, d, i32({4, 8, 8}), true), "grouped_layout");
+  EXPECT_MOEKIT_ERROR_ARG(m_grouped_bf16_gemm_packed_masked(am, {pw[0]}, dm, i32({1, 1}), 2), "b");
+  EXPECT_MOEKIT_ERROR_ARG(m_grouped_bf16_gemm_packed_masked(am, pw, dm, i32({1, 5}), 2), "masked_m");
+  EXPECT_MOEKIT_ERROR_ARG(pack_bf16_weights_grouped(random_bf16({16, 64}, 20)), "b");
+  EXPECT_MOEKIT_ERROR_ARG(pack_fp8_fp4_weights_grouped({w.q.values, w.q.sf.slice(0, 0, 1)}), "b.sf");
+  const std::vector<PackedWeights> pw8 = pack_fp8_fp4_weights_grouped(w.q);
+  EXPECT_MOEKIT_ERROR_ARG(m_grouped_fp8_fp4_gemm_packed_contiguous({qa.values, qa.sf.slice(0, 0, 4)}, pw8, d, rg), "a.sf");
+  EXPECT_MOEKIT_ERROR_ARG(m_grouped_fp8_fp4_gemm_packed_masked(qm, pw8, d8, i32({1, 5}), 1), "masked_m");
   for (int64_t i = 0; i < d8.numel(); ++i) ASSERT_EQ(d8.data_ptr<float>()[i], kSentinel);
   // Rejected calls wrote nothing.
   for (int64_t i = 0; i < d.numel(); ++i) ASSERT_EQ(d.data_ptr<float>()[i], kSentinel);

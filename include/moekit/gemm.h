@@ -157,6 +157,22 @@ void m_grouped_bf16_gemm_nt_masked(const Tensor& a, const Tensor& b, const Tenso
 void m_grouped_fp8_gemm_nt_masked(const Quantized& a, const Quantized& b, const Tensor& d, const Tensor& masked_m,
                                   int64_t expected_m, const GemmOptions& options = {});
 
+// The same with pre-packed weights (the CPU extension above): one PackedWeights per group,
+// all of the same N and K (pack_*_weights_grouped pack a [G, N, K] / [G, K, N] tensor).
+// Results are the unpacked calls' bits wherever those pack B (groups of more than 4 rows).
+std::vector<PackedWeights> pack_bf16_weights_grouped(const Tensor& b, bool k_major = true);
+std::vector<PackedWeights> pack_fp8_fp4_weights_grouped(const Quantized& b, bool k_major = true,
+                                                        const GemmOptions& options = {});
+void m_grouped_bf16_gemm_packed_contiguous(const Tensor& a, const std::vector<PackedWeights>& b, const Tensor& d,
+                                           const Tensor& grouped_layout, bool use_psum_layout = false);
+void m_grouped_fp8_fp4_gemm_packed_contiguous(const Quantized& a, const std::vector<PackedWeights>& b, const Tensor& d,
+                                              const Tensor& grouped_layout, bool use_psum_layout = false,
+                                              const GemmOptions& options = {});
+void m_grouped_bf16_gemm_packed_masked(const Tensor& a, const std::vector<PackedWeights>& b, const Tensor& d,
+                                       const Tensor& masked_m, int64_t expected_m);
+void m_grouped_fp8_fp4_gemm_packed_masked(const Quantized& a, const std::vector<PackedWeights>& b, const Tensor& d,
+                                          const Tensor& masked_m, int64_t expected_m, const GemmOptions& options = {});
+
 // Weight gradients: A [ΣK, M], B [ΣK, N]; group g uses rows [Σ_{<g} ks, Σ_{≤g} ks) of both,
 // D[g] = C[g] + A_gᵀ·B_g with D and C f32 [G, M, N] (C optional, may be D; a group with
 // K = 0 gives D[g] = C[g], or zeros). FP8: recipe (1, 1, 128) along K, each group quantised

@@ -194,6 +194,27 @@ void bench_grouped(const BenchOptions& o) {
                  {"ok_vs_oracle", row.calc_diff <= 1e-5 ? "yes" : "NO"}};
     if (fp4) row.notes["recipe"] = "1,1,32 ue8m0";
     rows_out.push_back(row);
+
+    // Pre-packed weights (docs/GEMM.md), FP8 shapes: the same call without the per-call
+    // decoding and packing of B, timed alternately against the unpacked call. Its weights
+    // are f32, so the bytes counted are 4 per weight.
+    if (fp4) continue;
+    std::vector<PackedWeights> packed;
+    const Timing pack_time = time_it([&] { packed = pack_fp8_fp4_weights_grouped(qb); }, 1, 0);  // once: the one-off cost
+    auto run_packed = [&] { m_grouped_fp8_fp4_gemm_packed_masked(qa, packed, d, masked_m, m); };
+    Row prow = row;
+    prow.kernel = "m_grouped_fp8_fp4_gemm_packed_masked";
+    std::tie(prow.time, prow.peer_time) = time_interleaved(run_packed, run, repeats);
+    prow.peer = "moekit " + row.kernel + " (unpacked)";
+    prow.calc_diff = ref::calc_diff(ref::to_f64(d.select(0, 1).slice(0, 0, check).slice(1, 0, check_n)), ref::gemm(ref::Layout::nt, ra, rb));
+    const double packed_bytes = static_cast<double>(groups * mn * mk) * 4.0;
+    prow.gbps = packed_bytes / (prow.time.median_us * 1e3);
+    prow.roofline_bytes = packed_bytes;
+    prow.notes = {{"tflops", fmt::format("{:.4f}", flops / (prow.time.median_us * 1e6))},
+                  {"ok_vs_oracle", prow.calc_diff <= 1e-5 ? "yes" : "NO"},
+                  {"pack_ms", fmt::format("{:.0f}", pack_time.median_us / 1e3)},
+                  {"packed_MiB", fmt::format("{:.0f}", packed_bytes / (1 << 20))}};
+    rows_out.push_back(prow);
   }
 
   // ---- k-grouped (weight gradient), bf16 ----

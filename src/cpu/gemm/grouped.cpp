@@ -171,7 +171,98 @@ void check_k_grouped_output(const char* fn, const Tensor& d, const Tensor& c, co
   if (c.defined()) check_output(fn, "c", c, shape, {DType::f32});
 }
 
+// Every group's packed weights present and of one N x K; returns N.
+int64_t check_packed(const char* fn, const std::vector<PackedWeights>& b) {
+  for (size_t g = 0; g < b.size(); ++g) {
+    const std::string arg = "b[" + std::to_string(g) + "]";
+    if (!b[g].defined()) fail(fn, arg, "weights made by pack_*_weights", "an empty PackedWeights");
+    if (b[g].n() != b[0].n() || b[g].k() != b[0].k())
+      fail(fn, arg, "N x K = " + std::to_string(b[0].n()) + " x " + std::to_string(b[0].k()) + " (as b[0])",
+           std::to_string(b[g].n()) + " x " + std::to_string(b[g].k()));
+  }
+  return b.empty() ? 0 : b[0].n();
+}
+
 }  // namespace
+
+std::vector<PackedWeights> pack_bf16_weights_grouped(const Tensor& b, bool k_major) {
+  constexpr const char* fn = "pack_bf16_weights_grouped";
+  check_weights(fn, "b", b, {DType::bf16});
+  std::vector<PackedWeights> out;
+  for (int64_t g = 0; g < b.size(0); ++g) call_dense(fn, g, [&] { out.push_back(pack_bf16_weights(b.select(0, g), k_major)); });
+  return out;
+}
+
+std::vector<PackedWeights> pack_fp8_fp4_weights_grouped(const Quantized& b, bool k_major, const GemmOptions& options) {
+  constexpr const char* fn = "pack_fp8_fp4_weights_grouped";
+  check_weights(fn, "b.values", b.values, {DType::e4m3, DType::e2m1x2});
+  check_slab(fn, "b.sf", b.sf, {DType::f32, DType::i32}, b.values.size(0));
+  std::vector<PackedWeights> out;
+  for (int64_t g = 0; g < b.values.size(0); ++g)
+    call_dense(fn, g, [&] { out.push_back(pack_fp8_fp4_weights({b.values.select(0, g), b.sf.select(0, g)}, k_major, options)); });
+  return out;
+}
+
+void m_grouped_bf16_gemm_packed_contiguous(const Tensor& a, const std::vector<PackedWeights>& b, const Tensor& d,
+                                           const Tensor& grouped_layout, bool use_psum_layout) {
+  constexpr const char* fn = "m_grouped_bf16_gemm_packed_contiguous";
+  detail::check_cpu_matrix(fn, "a", a, {DType::bf16});
+  const int64_t m = a.size(0), groups = static_cast<int64_t>(b.size());
+  check_output(fn, "d", d, {m, check_packed(fn, b)});
+  for (const Run& r : contiguous_runs(fn, grouped_layout, m, groups, use_psum_layout))
+    call_dense(fn, r.group, [&] {
+      bf16_gemm_packed(a.slice(0, r.r0, r.r1), b[static_cast<size_t>(r.group)], d.slice(0, r.r0, r.r1));
+    });
+}
+
+void m_grouped_fp8_fp4_gemm_packed_contiguous(const Quantized& a, const std::vector<PackedWeights>& b, const Tensor& d,
+                                              const Tensor& grouped_layout, bool use_psum_layout,
+                                              const GemmOptions& options) {
+  constexpr const char* fn = "m_grouped_fp8_fp4_gemm_packed_contiguous";
+  detail::check_cpu_matrix(fn, "a.values", a.values, {DType::e4m3, DType::e2m1x2});
+  detail::check_cpu_matrix(fn, "a.sf", a.sf, {DType::f32, DType::i32});
+  check_gran_m(fn, options);
+  const int64_t m = a.values.size(0), groups = static_cast<int64_t>(b.size());
+  if (a.sf.size(0) != m) fail(fn, "a.sf", std::to_string(m) + " rows (one per row of a)", shape_str(a.sf.shape()));
+  check_output(fn, "d", d, {m, check_packed(fn, b)});
+  for (const Run& r : contiguous_runs(fn, grouped_layout, m, groups, use_psum_layout))
+    call_dense(fn, r.group, [&] {
+      fp8_fp4_gemm_packed({a.values.slice(0, r.r0, r.r1), a.sf.slice(0, r.r0, r.r1)}, b[static_cast<size_t>(r.group)],
+                          d.slice(0, r.r0, r.r1), Tensor(), options);
+    });
+}
+
+void m_grouped_bf16_gemm_packed_masked(const Tensor& a, const std::vector<PackedWeights>& b, const Tensor& d,
+                                       const Tensor& masked_m, int64_t expected_m) {
+  constexpr const char* fn = "m_grouped_bf16_gemm_packed_masked";
+  check_weights(fn, "a", a, {DType::bf16});
+  const int64_t groups = a.size(0), max_m = a.size(1);
+  if (static_cast<int64_t>(b.size()) != groups)
+    fail(fn, "b", std::to_string(groups) + " groups (as a)", std::to_string(b.size()));
+  check_output(fn, "d", d, {groups, max_m, check_packed(fn, b)});
+  for (const Run& r : masked_runs(fn, masked_m, groups, max_m, expected_m))
+    call_dense(fn, r.group, [&] {
+      bf16_gemm_packed(a.select(0, r.group).slice(0, 0, r.r1), b[static_cast<size_t>(r.group)],
+                       d.select(0, r.group).slice(0, 0, r.r1));
+    });
+}
+
+void m_grouped_fp8_fp4_gemm_packed_masked(const Quantized& a, const std::vector<PackedWeights>& b, const Tensor& d,
+                                          const Tensor& masked_m, int64_t expected_m, const GemmOptions& options) {
+  constexpr const char* fn = "m_grouped_fp8_fp4_gemm_packed_masked";
+  check_weights(fn, "a.values", a.values, {DType::e4m3, DType::e2m1x2});
+  const int64_t groups = a.values.size(0), max_m = a.values.size(1);
+  check_slab(fn, "a.sf", a.sf, {DType::f32, DType::i32}, groups);
+  check_gran_m(fn, options);
+  if (static_cast<int64_t>(b.size()) != groups)
+    fail(fn, "b", std::to_string(groups) + " groups (as a)", std::to_string(b.size()));
+  check_output(fn, "d", d, {groups, max_m, check_packed(fn, b)});
+  for (const Run& r : masked_runs(fn, masked_m, groups, max_m, expected_m))
+    call_dense(fn, r.group, [&] {
+      fp8_fp4_gemm_packed({a.values.select(0, r.group).slice(0, 0, r.r1), a.sf.select(0, r.group).slice(0, 0, r.r1)},
+                          b[static_cast<size_t>(r.group)], d.select(0, r.group).slice(0, 0, r.r1), Tensor(), options);
+    });
+}
 
 void k_grouped_bf16_gemm_tn_contiguous(const Tensor& a, const Tensor& b, const Tensor& d,
                                        const std::vector<int64_t>& ks, const Tensor& c) {
