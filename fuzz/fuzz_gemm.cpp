@@ -148,6 +148,39 @@ void run_one(Reader& in) {
       if (!std::isnan(x[i]) && std::memcmp(&x[i], &y[i], sizeof(double)) != 0) fail("an ISA path differs from the portable path");
     }
   }
+  // Pre-packed weights (A [M, K] layouts): the unpacked call's bits wherever that one packs
+  // B too (not its small-M streaming path); NaN positions always agree with it. A packed call
+  // may refuse only an odd FP4 extent (packing takes 2 x the stored columns).
+  if (a_k) {
+    const bool unpacked_streams = m <= 4 && b_k && k > 0 && (kind == 0 || gk_b % 8 == 0);
+    // (The unpacked call accepted, so its resolved K is A's k.)
+    const bool odd_fp4 = (da == DType::e2m1x2 && k % 2) || (db == DType::e2m1x2 && (b_k ? k : n) % 2);
+    for (Isa isa : {Isa::scalar, Isa::avx2, Isa::avx512}) {
+      if (!isa_supported(isa)) continue;
+      ScopedIsa scoped(isa);
+      Tensor got = Tensor::empty({m, n}, out);
+      if (c_mode == 2) got.copy_from(c0);
+      try {
+        if (kind == 0) bf16_gemm_packed(av, pack_bf16_weights(bv, b_k), got, c_mode == 2 ? got : c);
+        else fp8_fp4_gemm_packed(qa, pack_fp8_fp4_weights(qb, b_k, o), got, c_mode == 2 ? got : c, o);
+      } catch (const moekit::Error&) {
+        if (!odd_fp4) fail("a packed call rejected what the unpacked call accepted");
+        break;
+      }
+      const std::vector<double> x = ref::to_f64(got), y = ref::to_f64(want);
+      for (size_t i = 0; i < x.size(); ++i) {
+        if (std::isnan(x[i]) != std::isnan(y[i])) fail("NaN positions differ between packed and unpacked calls");
+        if (!unpacked_streams && !std::isnan(x[i]) && std::memcmp(&x[i], &y[i], sizeof(double)) != 0)
+          fail("a packed call differs from the unpacked call");
+      }
+      if (unpacked_streams) {
+        std::vector<double> px, py;
+        for (size_t i = 0; i < x.size(); ++i)
+          if (!std::isnan(x[i])) px.push_back(x[i]), py.push_back(y[i]);
+        if (ref::calc_diff(px, py) > 1e-5) fail("a packed call differs from the unpacked call (calc_diff > 1e-5)");
+      }
+    }
+  }
   // The oracle on the same stored inputs.
   ref::Operand ra{av, qa.sf, 1, gk_a}, rb{bv, qb.sf, gmn_b, gk_b};
   // The API's rule for packed FP4 extents (docs/GEMM.md): K from the other operand unless
