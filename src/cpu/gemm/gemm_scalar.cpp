@@ -46,6 +46,7 @@ struct G {
       for (int c = 0; c < N; ++c) dst[c * ldd + r] = src[r * lds + c];
   }
   static bool pack_k_major_fast(const GemmOperand&, int64_t, int, int64_t, int64_t, int, float*, PackNext) { return false; }
+  static int64_t pack_mn_major_fast(const GemmOperand&, int64_t, int64_t, int64_t, int64_t, int, float*) { return 0; }
   static constexpr bool kFusedSmallM = false;
   template <class Raw, class Scale>
   static void fused_dot(const GemmOperand&, int64_t, int, const float*, int64_t, int, float*, Raw, Scale) {}
