@@ -120,9 +120,10 @@ namespace {
 constexpr size_t kHugePage = size_t{2} << 20;
 void* cpu_alloc(size_t bytes) {
   if (bytes < 2 * kHugePage) return std::aligned_alloc(64, bytes == 0 ? 64 : bytes);
-  void* p = std::aligned_alloc(kHugePage, (bytes + kHugePage - 1) / kHugePage * kHugePage);
+  const size_t whole = (bytes + kHugePage - 1) / kHugePage * kHugePage;  // aligned_alloc needs a multiple
+  void* p = std::aligned_alloc(kHugePage, whole);
 #ifdef MADV_HUGEPAGE
-  if (p) madvise(p, (bytes + kHugePage - 1) / kHugePage * kHugePage, MADV_HUGEPAGE);  // a hint: failure is harmless
+  if (p) madvise(p, whole, MADV_HUGEPAGE);  // a hint: failure is harmless
 #endif
   return p;
 }

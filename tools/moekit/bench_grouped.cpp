@@ -206,6 +206,7 @@ void bench_grouped(const BenchOptions& o) {
     prow.kernel = "m_grouped_fp8_fp4_gemm_packed_masked";
     std::tie(prow.time, prow.peer_time) = time_interleaved(run_packed, run, repeats);
     prow.peer = "moekit " + row.kernel + " (unpacked)";
+    run_packed();  // the interleaved timing may have ended on the unpacked call: check the packed one's D
     prow.calc_diff = ref::calc_diff(ref::to_f64(d.select(0, 1).slice(0, 0, check).slice(1, 0, check_n)), ref::gemm(ref::Layout::nt, ra, rb));
     const double packed_bytes = static_cast<double>(groups * mn * mk) * 4.0;
     prow.gbps = packed_bytes / (prow.time.median_us * 1e3);

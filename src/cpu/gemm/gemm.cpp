@@ -413,17 +413,9 @@ void scaled_gemm(const char* fn, Side sa, Side sb, const Quantized& a, const Qua
   run_gemm(ga, gb, describe_output(fn, d, c, ga.mn, gb.mn));
 }
 
-// ---------------------------------------------------------------- pre-packed weights
-
-// B packed panel by panel (panels are independent, so any thread split gives the same
-// bytes), every panel over all of K, by the active ISA's pack: the same bytes the driver
-// would pack for any block of it.
-PackedWeights pack_weights(const GemmOperand& b);
-
-// The packed B's panels for run_gemm, after checking the extents against A and D.
-void run_packed(const char* fn, const GemmOperand& a, const PackedWeights& b, const Tensor& d, const Tensor& c);
-
 }  // namespace
+
+// ---------------------------------------------------------------- pre-packed weights
 
 struct PackedWeightsAccess {
   static PackedWeights make(Tensor panels, int64_t n, int64_t k, DType dtype, Isa isa) {
@@ -437,6 +429,9 @@ struct PackedWeightsAccess {
 
 namespace {
 
+// B packed panel by panel (panels are independent, so any thread split gives the same
+// bytes), every panel over all of K, by the active ISA's pack: the same bytes the driver
+// would pack for any block of it.
 PackedWeights pack_weights(const GemmOperand& b) {
   const Isa isa = active_isa();
   const detail::GemmKernels& kern = detail::gemm_kernels(isa);
@@ -454,6 +449,7 @@ PackedWeights pack_weights(const GemmOperand& b) {
   return PackedWeightsAccess::make(std::move(out), b.mn, b.k, b.dtype, isa);
 }
 
+// The packed B's panels for run_gemm, after checking the extents against A and D.
 void run_packed(const char* fn, const GemmOperand& a, const PackedWeights& b, const Tensor& d, const Tensor& c) {
   if (!b.defined()) fail(fn, "b", "weights made by pack_bf16_weights / pack_fp8_fp4_weights", "an empty PackedWeights");
   if (a.k != b.k()) fail(fn, "b", "K = " + std::to_string(a.k) + " (from a)", "K = " + std::to_string(b.k()));

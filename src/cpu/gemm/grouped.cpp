@@ -171,8 +171,11 @@ void check_k_grouped_output(const char* fn, const Tensor& d, const Tensor& c, co
   if (c.defined()) check_output(fn, "c", c, shape, {DType::f32});
 }
 
-// Every group's packed weights present and of one N x K; returns N.
-int64_t check_packed(const char* fn, const std::vector<PackedWeights>& b) {
+// Every group's packed weights present and of one N x K (and `groups` of them, when given);
+// returns N.
+int64_t check_packed(const char* fn, const std::vector<PackedWeights>& b, int64_t groups = -1) {
+  if (groups >= 0 && static_cast<int64_t>(b.size()) != groups)
+    fail(fn, "b", std::to_string(groups) + " groups (as a)", std::to_string(b.size()));
   for (size_t g = 0; g < b.size(); ++g) {
     const std::string arg = "b[" + std::to_string(g) + "]";
     if (!b[g].defined()) fail(fn, arg, "weights made by pack_*_weights", "an empty PackedWeights");
@@ -237,9 +240,7 @@ void m_grouped_bf16_gemm_packed_masked(const Tensor& a, const std::vector<Packed
   constexpr const char* fn = "m_grouped_bf16_gemm_packed_masked";
   check_weights(fn, "a", a, {DType::bf16});
   const int64_t groups = a.size(0), max_m = a.size(1);
-  if (static_cast<int64_t>(b.size()) != groups)
-    fail(fn, "b", std::to_string(groups) + " groups (as a)", std::to_string(b.size()));
-  check_output(fn, "d", d, {groups, max_m, check_packed(fn, b)});
+  check_output(fn, "d", d, {groups, max_m, check_packed(fn, b, groups)});
   for (const Run& r : masked_runs(fn, masked_m, groups, max_m, expected_m))
     call_dense(fn, r.group, [&] {
       bf16_gemm_packed(a.select(0, r.group).slice(0, 0, r.r1), b[static_cast<size_t>(r.group)],
@@ -254,9 +255,7 @@ void m_grouped_fp8_fp4_gemm_packed_masked(const Quantized& a, const std::vector<
   const int64_t groups = a.values.size(0), max_m = a.values.size(1);
   check_slab(fn, "a.sf", a.sf, {DType::f32, DType::i32}, groups);
   check_gran_m(fn, options);
-  if (static_cast<int64_t>(b.size()) != groups)
-    fail(fn, "b", std::to_string(groups) + " groups (as a)", std::to_string(b.size()));
-  check_output(fn, "d", d, {groups, max_m, check_packed(fn, b)});
+  check_output(fn, "d", d, {groups, max_m, check_packed(fn, b, groups)});
   for (const Run& r : masked_runs(fn, masked_m, groups, max_m, expected_m))
     call_dense(fn, r.group, [&] {
       fp8_fp4_gemm_packed({a.values.select(0, r.group).slice(0, 0, r.r1), a.sf.select(0, r.group).slice(0, 0, r.r1)},
