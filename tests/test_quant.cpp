@@ -260,6 +260,70 @@ TEST(QuantOracle, PerTokenFp4) {
                                          {1, 1000, 128}, {129, 300, 64}});
 }
 
+// bf16 rows under power-of-two scales take a 16-bit path (formats_simd.inc: e2m1_bf16_pow2)
+// for gran = 32·2^j, in chunks of 1024 elements: group sizes on and off it, groups larger
+// than a chunk, and extents that leave a tail for the general path.
+TEST(QuantOracle, PerTokenFp4PowerOfTwoGroupSizes) {
+  check_against_oracle(Cast::token_fp4, {{3, 4096, 256}, {2, 5000, 2048}, {3, 700, 96}, {5, 1100, 32}, {3, 2112, 512}});
+}
+
+// Scales that are powers of two only for the first chunk of each row (amax 1.5 -> sf 0.25
+// without ue8m0): the 16-bit path stops where the first other scale appears and the general
+// path finishes the row; both halves must match the oracle, ties included.
+TEST(QuantOracle, PerTokenFp4PowerOfTwoScalesThenOthers) {
+  const int64_t m = 4, k = 3000;
+  Tensor x = Tensor::empty({m, k}, DType::bf16);
+  std::mt19937_64 rng(5);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t c = 0; c < k; ++c) {
+      const float sign = rng() & 1 ? -1.0f : 1.0f;
+      const float v = c < 1100 + 300 * r ? sign * (c % 8 == 0 ? 1.5f : kE2m1Midpoints[rng() % kE2m1Midpoints.size()] * 0.25f)
+                                         : normal(rng);
+      x.data_ptr<uint16_t>()[r * k + c] = static_cast<uint16_t>(bits_of(v) >> 16);
+    }
+  const Case c{m, k, 32};
+  for (bool ue8m0 : {false, true}) {
+    SCOPED_TRACE(describe(Cast::token_fp4, c, DType::bf16, ue8m0));
+    const Quantized want = run_ref(Cast::token_fp4, x, ue8m0, c);
+    for_each_isa([&](Isa) { EXPECT_TRUE(same_quantized(run_cast(Cast::token_fp4, x, ue8m0, c), want)); });
+  }
+}
+
+// Every bf16 magnitude pattern up to 6.0, each sign, with the group scale 2^k for k from -15
+// to 125 (amax pinned by one element per group): every e2m1 rounding boundary, its
+// neighbours, the largest shifts either way, and patterns far below 0.25.
+TEST(QuantOracle, PerTokenFp4EveryBf16PatternUnderPowerOfTwoScales) {
+  std::vector<uint16_t> patterns;
+  for (uint32_t p = 0; p <= 0x40c0; ++p) patterns.push_back(static_cast<uint16_t>(p));
+  const int64_t gran = 32, per_group = gran - 1;  // element 0 of each group holds its amax
+  const int64_t groups = static_cast<int64_t>(2 * patterns.size() + per_group - 1) / per_group;
+  for (int k : {-15, -1, 0, 7, 100, 125}) {
+    SCOPED_TRACE("sf = 2^" + std::to_string(k));
+    Tensor x = Tensor::empty({1, groups * gran}, DType::bf16);
+    uint16_t* p = x.data_ptr<uint16_t>();
+    const float amax = std::ldexp(6.0f, k);  // sf = amax / 6 = 2^k exactly, f32 or ue8m0 (6·2^125 < FLT_MAX)
+    int64_t next = 0;
+    for (int64_t g = 0; g < groups; ++g) {
+      p[g * gran] = static_cast<uint16_t>(bits_of(amax) >> 16);
+      for (int64_t i = 1; i < gran; ++i, ++next) {
+        const int64_t at = next % static_cast<int64_t>(2 * patterns.size());
+        const uint16_t mag = patterns[static_cast<size_t>(at / 2)];
+        // x / 2^k has the pattern's value: add k to the exponent field (exact; tiny patterns
+        // are kept as they are, all far below the first boundary after the shift).
+        const int32_t shifted = mag >= 0x0080 ? mag + k * 128 : mag;
+        const uint16_t v = static_cast<uint16_t>(shifted > 0 && shifted < 0x7f80 ? shifted : mag);
+        p[g * gran + i] = static_cast<uint16_t>(v | (at % 2 ? 0x8000 : 0));
+      }
+    }
+    const Case c{1, groups * gran, gran};
+    for (bool ue8m0 : {false, true}) {
+      const Quantized want = run_ref(Cast::token_fp4, x, ue8m0, c);
+      for_each_isa([&](Isa) { EXPECT_TRUE(same_quantized(run_cast(Cast::token_fp4, x, ue8m0, c), want)); });
+    }
+  }
+}
+
 // ---------------------------------------------------------------- hand-checked cases
 // bf16 amaxes may be taken on the 16-bit patterns, eight groups at a time: NaN (either
 // sign; the default payload, which the oracle's scale keeps), inf, -0 and subnormals at the start, middle and end of groups,

@@ -69,7 +69,8 @@ void bench_formats(const BenchOptions& o) {
                             {"per_token_cast_to_fp8", false, true, 128},
                             {"per_block_cast_to_fp8", false, false, 128},
                             {"per_channel_cast_to_fp8", false, false, 128},
-                            {"per_token_cast_to_fp4", true, false, 128}};
+                            {"per_token_cast_to_fp4", true, false, 128},
+                            {"per_token_cast_to_fp4", true, true, 128}};  // the MX recipe (ue8m0 scales)
   for (const CastCase& c : cases) {
     const bool block = c.kernel == "per_block_cast_to_fp8", channel = c.kernel == "per_channel_cast_to_fp8";
     const int64_t gran = c.fp4 ? 32 : 128;

@@ -49,8 +49,19 @@ char* row_ptr_mut(const Tensor& t, int64_t r) { return const_cast<char*>(row_ptr
 
 void finish_scales(float* sf, int64_t n, float max_code, bool use_ue8m0) {
   for (int64_t i = 0; i < n; ++i) sf[i] = std::max(sf[i], kAmaxFloor) / max_code;
-  if (use_ue8m0)
-    for (int64_t i = 0; i < n; ++i) sf[i] = detail::ceil_pow2(sf[i]);
+  if (!use_ue8m0) return;
+  // ceil_pow2 inline for positive normal scales (all of them, short of NaN or inf amaxes):
+  // adding 2^23 - 1 carries a non-zero mantissa into the exponent, then the mantissa is dropped.
+  // (Integer masks rather than branches, so that the loop vectorises.)
+  uint32_t not_normal = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t bits = std::bit_cast<uint32_t>(sf[i]);
+    const uint32_t normal = 0u - static_cast<uint32_t>(bits - 0x00800000u < 0x7f000000u);
+    not_normal |= ~normal;
+    sf[i] = std::bit_cast<float>((((bits + 0x007fffffu) & 0x7f800000u) & normal) | (bits & ~normal));
+  }
+  if (not_normal != 0)
+    for (int64_t i = 0; i < n; ++i) sf[i] = detail::ceil_pow2(sf[i]);  // the rest (powers of two stay)
 }
 
 // inv[i] = 1 / sf[i] (correctly rounded); false if some sf is not a positive normal number.
