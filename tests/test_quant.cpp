@@ -290,37 +290,69 @@ TEST(QuantOracle, PerTokenFp4PowerOfTwoScalesThenOthers) {
   }
 }
 
-// Every bf16 magnitude pattern up to 6.0, each sign, with the group scale 2^k for k from -15
-// to 125 (amax pinned by one element per group): every e2m1 rounding boundary, its
-// neighbours, the largest shifts either way, and patterns far below 0.25.
-TEST(QuantOracle, PerTokenFp4EveryBf16PatternUnderPowerOfTwoScales) {
+// Every bf16 magnitude pattern up to the format's max (6 or 448), each sign, with the group
+// scale 2^k for several k (amax pinned by one element per group, so sf = 2^k with f32 and
+// with ue8m0 scales): every rounding boundary and its neighbours, the e4m3 subnormals (left
+// to the general path by the 16-bit kernel), the largest shifts either way, and patterns far
+// below the least code.
+void check_every_bf16_pattern(Cast cast, float max_value, int64_t gran, std::initializer_list<int> exponents) {
   std::vector<uint16_t> patterns;
-  for (uint32_t p = 0; p <= 0x40c0; ++p) patterns.push_back(static_cast<uint16_t>(p));
-  const int64_t gran = 32, per_group = gran - 1;  // element 0 of each group holds its amax
+  for (uint32_t p = 0; p <= (bits_of(max_value) >> 16); ++p) patterns.push_back(static_cast<uint16_t>(p));
+  const int64_t per_group = gran - 1;  // element 0 of each group holds its amax
   const int64_t groups = static_cast<int64_t>(2 * patterns.size() + per_group - 1) / per_group;
-  for (int k : {-15, -1, 0, 7, 100, 125}) {
+  for (int k : exponents) {
     SCOPED_TRACE("sf = 2^" + std::to_string(k));
     Tensor x = Tensor::empty({1, groups * gran}, DType::bf16);
     uint16_t* p = x.data_ptr<uint16_t>();
-    const float amax = std::ldexp(6.0f, k);  // sf = amax / 6 = 2^k exactly, f32 or ue8m0 (6·2^125 < FLT_MAX)
+    const float amax = std::ldexp(max_value, k);  // sf = amax / max = 2^k exactly
     int64_t next = 0;
     for (int64_t g = 0; g < groups; ++g) {
       p[g * gran] = static_cast<uint16_t>(bits_of(amax) >> 16);
       for (int64_t i = 1; i < gran; ++i, ++next) {
         const int64_t at = next % static_cast<int64_t>(2 * patterns.size());
         const uint16_t mag = patterns[static_cast<size_t>(at / 2)];
-        // x / 2^k has the pattern's value: add k to the exponent field (exact; tiny patterns
-        // are kept as they are, all far below the first boundary after the shift).
+        // x / 2^k has the pattern's value: add k to the exponent field (exact; patterns that
+        // would leave the normal range are kept as they are, all far below the least code).
         const int32_t shifted = mag >= 0x0080 ? mag + k * 128 : mag;
-        const uint16_t v = static_cast<uint16_t>(shifted > 0 && shifted < 0x7f80 ? shifted : mag);
+        const uint16_t v = static_cast<uint16_t>(shifted >= 0x0080 && shifted < 0x7f80 ? shifted : mag);
         p[g * gran + i] = static_cast<uint16_t>(v | (at % 2 ? 0x8000 : 0));
       }
     }
     const Case c{1, groups * gran, gran};
     for (bool ue8m0 : {false, true}) {
-      const Quantized want = run_ref(Cast::token_fp4, x, ue8m0, c);
-      for_each_isa([&](Isa) { EXPECT_TRUE(same_quantized(run_cast(Cast::token_fp4, x, ue8m0, c), want)); });
+      const Quantized want = run_ref(cast, x, ue8m0, c);
+      for_each_isa([&](Isa) { EXPECT_TRUE(same_quantized(run_cast(cast, x, ue8m0, c), want)); });
     }
+  }
+}
+
+TEST(QuantOracle, PerTokenFp4EveryBf16PatternUnderPowerOfTwoScales) {
+  check_every_bf16_pattern(Cast::token_fp4, 6.0f, 32, {-15, -1, 0, 7, 100, 125});  // 6·2^125 < FLT_MAX
+}
+
+TEST(QuantOracle, PerTokenFp8EveryBf16PatternUnderPowerOfTwoScales) {
+  check_every_bf16_pattern(Cast::token_fp8, 448.0f, 128, {-20, -1, 0, 5, 100, 119});  // 448·2^119 < FLT_MAX
+  check_every_bf16_pattern(Cast::token_fp8, 448.0f, 32, {3});
+}
+
+// The e4m3 16-bit kernel's edges one at a time, each alone among normal values in its
+// 64-element block (so that no neighbour sends the block to the general path): half the least
+// subnormal and the patterns around it, the least normal and the pattern below, tiny and
+// negative values, and the largest code.
+TEST(QuantOracle, PerTokenFp8SixteenBitEdgesAloneInTheirBlock) {
+  const uint16_t edges[] = {0x3a7f, 0x3a80, 0x3a81, 0x3c7f, 0x3c80, 0x3c81, 0x0001, 0x8000, 0xbc80, 0xba81, 0x43e0, 0xc3e0};
+  const int64_t gran = 128, groups = std::size(edges);
+  Tensor x = Tensor::empty({1, groups * gran}, DType::bf16);
+  uint16_t* p = x.data_ptr<uint16_t>();
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t i = 0; i < gran; ++i) p[g * gran + i] = static_cast<uint16_t>(i % 2 ? 0x3f80 : 0xbfc0);  // 1, -1.5
+    p[g * gran] = 0x43e0;  // amax 448: sf = 1
+    p[g * gran + 64 + g % 64] = edges[g];
+  }
+  const Case c{1, groups * gran, gran};
+  for (bool ue8m0 : {false, true}) {
+    const Quantized want = run_ref(Cast::token_fp8, x, ue8m0, c);
+    for_each_isa([&](Isa) { EXPECT_TRUE(same_quantized(run_cast(Cast::token_fp8, x, ue8m0, c), want)); });
   }
 }
 

@@ -1,6 +1,7 @@
 // AVX2 target (8 lanes). Compiled with -mavx2 -mfma -mf16c; only reached via dispatch.
 #include <immintrin.h>
 
+#include <bit>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -91,7 +92,7 @@ struct V {
   // to even go down at 0.25, 1.25, 2.5 and 5, and up at 0.75, 1.75 and 3.5. 16 lanes per op,
   // no division and no widening; the count cannot pass 7, so values the bound lets slightly
   // above 6 saturate by themselves. n: a multiple of 64; shift[b] = k << 7 of x[32b, 32b + 32).
-  static constexpr bool kBf16E2m1 = true;
+  static constexpr bool kBf16Pow2Codes = true;
   template <bool Stream>
   static void bf16_e2m1_pow2(const uint16_t* x, uint8_t* q, int64_t n, const int16_t* shift, const uint16_t* prefetch) {
     const __m256i abs_mask = _mm256_set1_epi16(0x7fff), sign_code = _mm256_set1_epi16(8);
@@ -116,6 +117,45 @@ struct V {
       const __m256i bytes = _mm256_packus_epi16(_mm256_packus_epi32(pairs[0], pairs[1]), _mm256_packus_epi32(pairs[2], pairs[3]));
       put<Stream>(q + i / 2, _mm256_permutevar8x32_epi32(bytes, order));
     }
+  }
+  // e4m3 codes the same way (formats_simd.inc: bf16_pow2_codes): from 2^-6 up the code is the
+  // pattern rounded to nearest-even at bit 4 and re-biased; patterns at or below 2^-10 (half
+  // the least subnormal, a tie to 0) and the negative ones are 0. The e4m3 subnormals
+  // between take eight boundaries that are not worth testing for: a 64-element block holding
+  // one is left unwritten and flagged in the returned mask (bit b: x[64b, 64b + 64)), for the
+  // caller's general path. Codes are capped at 126 (448) so that no finite value can become
+  // the NaN code. n: a multiple of 64, at most 2048; shift as above.
+  template <bool Stream>
+  static uint32_t bf16_e4m3_pow2(const uint16_t* x, uint8_t* q, int64_t n, const int16_t* shift, const uint16_t* prefetch) {
+    const __m256i abs_mask = _mm256_set1_epi16(0x7fff), sign_code = _mm256_set1_epi16(0x80);
+    const __m256i one = _mm256_set1_epi16(1), seven = _mm256_set1_epi16(7), rebias = _mm256_set1_epi16(120 << 3);
+    const __m256i below_normal = _mm256_set1_epi16(0x3c7f), half_subnormal = _mm256_set1_epi16(0x3a80);
+    const __m256i max_code = _mm256_set1_epi16(0x7e);
+    uint32_t fallback = 0;
+    for (int64_t i = 0; i < n; i += 64) {
+      if (prefetch) {
+        __builtin_prefetch(prefetch + i, 0, 2);
+        __builtin_prefetch(prefetch + i + 32, 0, 2);
+      }
+      __m256i codes[4], subnormal = _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i + 16 * j));
+        const __m256i y = _mm256_sub_epi16(_mm256_and_si256(v, abs_mask), _mm256_set1_epi16(shift[i / 32 + j / 2]));
+        const __m256i lsb = _mm256_and_si256(_mm256_srli_epi16(y, 4), one);
+        const __m256i rounded = _mm256_srli_epi16(_mm256_add_epi16(y, _mm256_add_epi16(seven, lsb)), 4);
+        const __m256i normal = _mm256_cmpgt_epi16(y, below_normal);
+        subnormal = _mm256_or_si256(subnormal, _mm256_andnot_si256(normal, _mm256_cmpgt_epi16(y, half_subnormal)));
+        const __m256i magnitude = _mm256_and_si256(_mm256_min_epi16(_mm256_sub_epi16(rounded, rebias), max_code), normal);
+        codes[j] = _mm256_or_si256(magnitude, _mm256_and_si256(_mm256_srai_epi16(v, 15), sign_code));
+      }
+      if (!_mm256_testz_si256(subnormal, subnormal)) {
+        fallback |= 1u << (i / 64);
+        continue;
+      }
+      put<Stream>(q + i, _mm256_permute4x64_epi64(_mm256_packus_epi16(codes[0], codes[1]), 0xd8));
+      put<Stream>(q + i + 32, _mm256_permute4x64_epi64(_mm256_packus_epi16(codes[2], codes[3]), 0xd8));
+    }
+    return fallback;
   }
   static F lut8(const float* table, I idx) { return _mm256_permutevar8x32_ps(_mm256_load_ps(table), idx); }
   static F to_float(I a) { return _mm256_cvtepi32_ps(a); }

@@ -1,6 +1,7 @@
 // AVX-512 target (16 lanes, F/BW/VL/DQ). Only reached via dispatch on CPUs that have it.
 #include <immintrin.h>
 
+#include <bit>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -15,7 +16,7 @@ struct V {
   static constexpr bool kFastCasts = false;     // casts divide and use encode_magnitude
   static constexpr bool kBf16Amax = false;      // amax_groups widens bf16 like f32
   static constexpr bool kF16Decode = false;     // e4m3 decodes by bit arithmetic
-  static constexpr bool kBf16E2m1 = false;      // e2m1 casts of bf16 widen to f32
+  static constexpr bool kBf16Pow2Codes = false; // casts of bf16 widen to f32
   static void fence() {}  // no streaming stores on this target
   static constexpr int N = 16;
   using F = __m512;
