@@ -205,6 +205,27 @@ Shape sf_shape(Cast cast, const Case& c) {
   }
 }
 
+// The "_into" form on outputs filled with a sentinel first, so that an element a kernel
+// forgets to write cannot pass for right (freshly allocated memory may hold the previous
+// call's correct bytes).
+Quantized run_cast_poisoned(Cast cast, const Tensor& x, bool ue8m0, const Case& c) {
+  Quantized out{Tensor::empty(values_shape(cast, c), cast == Cast::token_fp4 ? DType::e2m1x2 : DType::e4m3),
+                Tensor::empty(sf_shape(cast, c), DType::f32)};
+  std::memset(out.values.data(), 0x5a, static_cast<size_t>(out.values.numel()));
+  std::memset(out.sf.data(), 0xff, static_cast<size_t>(out.sf.numel()) * 4);
+  run_into(cast, x, out.values, out.sf, ue8m0, c);
+  return out;
+}
+
+// Both forms against the oracle, under every ISA.
+void expect_oracle_under_every_isa(Cast cast, const Tensor& x, bool ue8m0, const Case& c) {
+  const Quantized want = run_ref(cast, x, ue8m0, c);
+  for_each_isa([&](Isa) {
+    EXPECT_TRUE(same_quantized(run_cast(cast, x, ue8m0, c), want));
+    EXPECT_TRUE(same_quantized(run_cast_poisoned(cast, x, ue8m0, c), want));
+  });
+}
+
 // Library vs oracle, bit-exact, for f32 and bf16 inputs, both scale modes, every ISA.
 void check_against_oracle(Cast cast, const std::vector<Case>& cases) {
   uint64_t seed = 0;
@@ -223,6 +244,7 @@ void check_against_oracle(Cast cast, const std::vector<Case>& cases) {
           ASSERT_EQ(got.sf.dtype(), DType::f32);
           ASSERT_EQ(got.sf.shape(), sf_shape(cast, c));
           EXPECT_TRUE(same_quantized(got, want));
+          EXPECT_TRUE(same_quantized(run_cast_poisoned(cast, x, ue8m0, c), want));
         });
       }
     }
@@ -285,8 +307,7 @@ TEST(QuantOracle, PerTokenFp4PowerOfTwoScalesThenOthers) {
   const Case c{m, k, 32};
   for (bool ue8m0 : {false, true}) {
     SCOPED_TRACE(describe(Cast::token_fp4, c, DType::bf16, ue8m0));
-    const Quantized want = run_ref(Cast::token_fp4, x, ue8m0, c);
-    for_each_isa([&](Isa) { EXPECT_TRUE(same_quantized(run_cast(Cast::token_fp4, x, ue8m0, c), want)); });
+    expect_oracle_under_every_isa(Cast::token_fp4, x, ue8m0, c);
   }
 }
 
@@ -319,10 +340,7 @@ void check_every_bf16_pattern(Cast cast, float max_value, int64_t gran, std::ini
       }
     }
     const Case c{1, groups * gran, gran};
-    for (bool ue8m0 : {false, true}) {
-      const Quantized want = run_ref(cast, x, ue8m0, c);
-      for_each_isa([&](Isa) { EXPECT_TRUE(same_quantized(run_cast(cast, x, ue8m0, c), want)); });
-    }
+    for (bool ue8m0 : {false, true}) expect_oracle_under_every_isa(cast, x, ue8m0, c);
   }
 }
 
@@ -350,10 +368,29 @@ TEST(QuantOracle, PerTokenFp8SixteenBitEdgesAloneInTheirBlock) {
     p[g * gran + 64 + g % 64] = edges[g];
   }
   const Case c{1, groups * gran, gran};
-  for (bool ue8m0 : {false, true}) {
-    const Quantized want = run_ref(Cast::token_fp8, x, ue8m0, c);
-    for_each_isa([&](Isa) { EXPECT_TRUE(same_quantized(run_cast(Cast::token_fp8, x, ue8m0, c), want)); });
+  for (bool ue8m0 : {false, true}) expect_oracle_under_every_isa(Cast::token_fp8, x, ue8m0, c);
+}
+
+// The same edges in per-channel casts (per-column scales, the kernel's per-element shifts):
+// x [128, 256], column c's amax 448·2^(c % 5 - 2) in row 0, an edge pattern (scaled alike)
+// in row 1 + c % 100 of some columns, normal values elsewhere.
+TEST(QuantOracle, PerChannelFp8SixteenBitEdges) {
+  const uint16_t edges[] = {0x3a7f, 0x3a80, 0x3a81, 0x3c7f, 0x3c80, 0x3c81, 0x0001, 0x8000, 0xbc80, 0xba81};
+  const int64_t rows = 128, cols = 256;
+  Tensor x = Tensor::empty({rows, cols}, DType::bf16);
+  uint16_t* p = x.data_ptr<uint16_t>();
+  for (int64_t c = 0; c < cols; ++c) {
+    const int k = static_cast<int>(c % 5) - 2;  // column scale 2^k
+    auto scaled = [&](uint16_t pattern) {
+      const int32_t mag = pattern & 0x7fff;
+      return static_cast<uint16_t>((pattern & 0x8000) | (mag >= 0x0080 ? mag + k * 128 : mag));
+    };
+    for (int64_t r = 0; r < rows; ++r) p[r * cols + c] = scaled(r % 2 ? 0x3f80 : 0xbfc0);
+    p[c] = scaled(0x43e0);
+    if (c % 3 == 0) p[(1 + c % 100) * cols + c] = scaled(edges[(c / 3) % std::size(edges)]);
   }
+  const Case c{rows, cols, 128};
+  for (bool ue8m0 : {false, true}) expect_oracle_under_every_isa(Cast::channel_fp8, x, ue8m0, c);
 }
 
 // ---------------------------------------------------------------- hand-checked cases

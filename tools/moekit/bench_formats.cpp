@@ -70,6 +70,7 @@ void bench_formats(const BenchOptions& o) {
                             {"per_block_cast_to_fp8", false, false, 128},
                             {"per_block_cast_to_fp8", false, true, 128},
                             {"per_channel_cast_to_fp8", false, false, 128},
+                            {"per_channel_cast_to_fp8", false, true, 128},
                             {"per_token_cast_to_fp4", true, false, 128},
                             {"per_token_cast_to_fp4", true, true, 128}};  // the MX recipe (ue8m0 scales)
   for (const CastCase& c : cases) {
