@@ -282,7 +282,7 @@ TEST(QuantOracle, PerTokenFp4) {
                                          {1, 1000, 128}, {129, 300, 64}});
 }
 
-// bf16 rows under power-of-two scales take a 16-bit path (formats_simd.inc: e2m1_bf16_pow2)
+// bf16 rows under power-of-two scales take a 16-bit path (formats_simd.inc: bf16_pow2_codes)
 // for gran = 32·2^j, in chunks of 1024 elements: group sizes on and off it, groups larger
 // than a chunk, and extents that leave a tail for the general path.
 TEST(QuantOracle, PerTokenFp4PowerOfTwoGroupSizes) {
@@ -371,7 +371,7 @@ TEST(QuantOracle, PerTokenFp8SixteenBitEdgesAloneInTheirBlock) {
   for (bool ue8m0 : {false, true}) expect_oracle_under_every_isa(Cast::token_fp8, x, ue8m0, c);
 }
 
-// The same edges in per-channel casts (per-column scales, the kernel's per-element shifts):
+// The same edges in per-channel casts (per-column scales, which keep the f32 path):
 // x [128, 256], column c's amax 448·2^(c % 5 - 2) in row 0, an edge pattern (scaled alike)
 // in row 1 + c % 100 of some columns, normal values elsewhere.
 TEST(QuantOracle, PerChannelFp8SixteenBitEdges) {
