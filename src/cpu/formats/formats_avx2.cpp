@@ -6,6 +6,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "../../core/check.h"  // ceil_div
 #include "format_kernels.h"
 
 namespace moekit::detail {
@@ -85,7 +86,17 @@ struct V {
     }
     return i;
   }
-  // ---- e2m1 codes of bf16 under power-of-two scales (formats_simd.inc: e2m1_bf16_pow2) ----
+  // ---- codes of bf16 under power-of-two scales (formats_simd.inc: bf16_pow2_codes) ----
+  // |v| / 2^k as a bf16 pattern (int16; see bf16_e2m1_pow2), shift = k << 7.
+  static __m256i pattern_over_scale(__m256i v, int16_t shift) {
+    return _mm256_sub_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x7fff)), _mm256_set1_epi16(shift));
+  }
+  // Requests the 64 elements at p + i (the caller's next row) into L2.
+  static void prefetch_step(const uint16_t* p, int64_t i) {
+    if (!p) return;
+    __builtin_prefetch(p + i, 0, 2);
+    __builtin_prefetch(p + i + 32, 0, 2);
+  }
   // x / 2^k is exact, and its bf16 pattern is |x|'s minus k << 7 (for values far below 0.25,
   // some pattern below 0.25's, possibly negative as int16). Non-negative patterns order like
   // their values, so a code is the number of rounding boundaries its pattern lies above: ties
@@ -95,20 +106,17 @@ struct V {
   static constexpr bool kBf16Pow2Codes = true;
   template <bool Stream>
   static void bf16_e2m1_pow2(const uint16_t* x, uint8_t* q, int64_t n, const int16_t* shift, const uint16_t* prefetch) {
-    const __m256i abs_mask = _mm256_set1_epi16(0x7fff), sign_code = _mm256_set1_epi16(8);
+    const __m256i sign_code = _mm256_set1_epi16(8);
     // (tie-up boundaries as "above the pattern just below")
     static constexpr int16_t kBoundaries[7] = {0x3e80, 0x3f3f, 0x3fa0, 0x3fdf, 0x4020, 0x405f, 0x40a0};
     const __m256i nibble_pair = _mm256_set1_epi32(1 | 16 << 16);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int64_t i = 0; i < n; i += 64) {
-      if (prefetch) {
-        __builtin_prefetch(prefetch + i, 0, 2);
-        __builtin_prefetch(prefetch + i + 32, 0, 2);
-      }
+      prefetch_step(prefetch, i);
       __m256i pairs[4];
       for (int j = 0; j < 4; ++j) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i + 16 * j));
-        const __m256i y = _mm256_sub_epi16(_mm256_and_si256(v, abs_mask), _mm256_set1_epi16(shift[i / 32 + j / 2]));
+        const __m256i y = pattern_over_scale(v, shift[i / 32 + j / 2]);
         __m256i code = _mm256_and_si256(_mm256_srai_epi16(v, 15), sign_code);
         for (const int16_t b : kBoundaries) code = _mm256_sub_epi16(code, _mm256_cmpgt_epi16(y, _mm256_set1_epi16(b)));
         pairs[j] = _mm256_madd_epi16(code, nibble_pair);  // 32-bit lane t: code[2t] | code[2t + 1] << 4
@@ -127,20 +135,17 @@ struct V {
   // the NaN code. n: a multiple of 64, at most 2048; shift as above.
   template <bool Stream>
   static uint32_t bf16_e4m3_pow2(const uint16_t* x, uint8_t* q, int64_t n, const int16_t* shift, const uint16_t* prefetch) {
-    const __m256i abs_mask = _mm256_set1_epi16(0x7fff), sign_code = _mm256_set1_epi16(0x80);
+    const __m256i sign_code = _mm256_set1_epi16(0x80);
     const __m256i one = _mm256_set1_epi16(1), seven = _mm256_set1_epi16(7), rebias = _mm256_set1_epi16(120 << 3);
     const __m256i below_normal = _mm256_set1_epi16(0x3c7f), half_subnormal = _mm256_set1_epi16(0x3a80);
     const __m256i max_code = _mm256_set1_epi16(0x7e);
     uint32_t fallback = 0;
     for (int64_t i = 0; i < n; i += 64) {
-      if (prefetch) {
-        __builtin_prefetch(prefetch + i, 0, 2);
-        __builtin_prefetch(prefetch + i + 32, 0, 2);
-      }
+      prefetch_step(prefetch, i);
       __m256i codes[4], subnormal = _mm256_setzero_si256();
       for (int j = 0; j < 4; ++j) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i + 16 * j));
-        const __m256i y = _mm256_sub_epi16(_mm256_and_si256(v, abs_mask), _mm256_set1_epi16(shift[i / 32 + j / 2]));
+        const __m256i y = pattern_over_scale(v, shift[i / 32 + j / 2]);
         const __m256i lsb = _mm256_and_si256(_mm256_srli_epi16(y, 4), one);
         const __m256i rounded = _mm256_srli_epi16(_mm256_add_epi16(y, _mm256_add_epi16(seven, lsb)), 4);
         const __m256i normal = _mm256_cmpgt_epi16(y, below_normal);

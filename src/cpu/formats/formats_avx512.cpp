@@ -6,6 +6,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "../../core/check.h"  // ceil_div
 #include "format_kernels.h"
 
 namespace moekit::detail {
