@@ -12,6 +12,17 @@ namespace moekit::detail {
 enum class Narrow { e4m3 = 0, e5m2 = 1, e2m1 = 2 };  // e2m1 rows are packed two per byte
 enum class Wide { f32 = 0, bf16 = 1 };                // element type of the wide side
 
+// Per-element reciprocals that quantize may use with gran 1 (the per-channel cast, whose
+// rows share one set of scales): values[i] = RN(1/sf[i]), reordered by block_order, passed
+// only with scales_from_amax when every sf is a positive normal number; they let fast
+// targets skip most of the per-element divisions (see reciprocal_codes in formats_simd.inc).
+// exact: every sf is a power of two (ue8m0), so values[i] is 1/sf[i] exactly and x·values[i]
+// rounds like the division; no division and no tie check is needed then.
+struct Reciprocals {
+  const float* values = nullptr;
+  bool exact = false;
+};
+
 // All spans are plain arrays. "gran" selects the scale of element i: sf[i / gran].
 struct FormatKernels {
   // out[g] = max |x| over group g of gran elements (last group may be partial).
@@ -29,12 +40,9 @@ struct FormatKernels {
   // prefetch (may be null): n elements the caller reads next, requested into L2 meanwhile.
   // scales_from_amax: each sf is the cast's scale for its own group's amax (so |x/sf| is
   // bounded by the format's max finite), which lets the encoder skip saturation.
-  // inv (gran 1 only, may be null): RN(1/sf[i]) for every element, reordered by
-  // block_order, passed only with scales_from_amax when every sf is a positive normal number;
-  // it lets fast targets skip most of the per-element divisions (see reciprocal_codes in
-  // formats_simd.inc).
+  // inv (gran 1 only): see Reciprocals.
   void (*quantize[3][2])(const void* x, uint8_t* q, int64_t n, const float* sf, int64_t gran, bool stream,
-                         const void* prefetch, bool scales_from_amax, const float* inv);
+                         const void* prefetch, bool scales_from_amax, Reciprocals inv);
   // out = wide(decode(q) * sf[i / gran]).
   void (*dequantize[3][2])(const uint8_t* q, void* out, int64_t n, const float* sf, int64_t gran, bool stream);
   void (*f32_to_bf16)(const float* x, uint16_t* out, int64_t n);

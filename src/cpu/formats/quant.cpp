@@ -64,14 +64,20 @@ void finish_scales(float* sf, int64_t n, float max_code, bool use_ue8m0) {
     for (int64_t i = 0; i < n; ++i) sf[i] = detail::ceil_pow2(sf[i]);  // the rest (powers of two stay)
 }
 
-// inv[i] = 1 / sf[i] (correctly rounded); false if some sf is not a positive normal number.
-bool reciprocals(const float* sf, int64_t n, float* inv) {
-  bool normal = true;
+// The quantize kernel's per-element reciprocals of sf, written to inv in its block order:
+// none (values null) unless every sf is a positive normal number, as the kernel requires;
+// exact when every sf is also a power of two (ue8m0 scales).
+detail::Reciprocals reciprocals(const detail::FormatKernels& kern, const float* sf, int64_t n, float* inv) {
+  uint32_t not_normal = 0, mantissas = 0;  // masks, not early exits: the loop vectorises
   for (int64_t i = 0; i < n; ++i) {
-    normal = normal && std::bit_cast<uint32_t>(sf[i]) - 0x00800000u < 0x7f000000u;
+    const uint32_t bits = std::bit_cast<uint32_t>(sf[i]);
+    not_normal |= static_cast<uint32_t>(bits - 0x00800000u >= 0x7f000000u);
+    mantissas |= bits & 0x007fffffu;
     inv[i] = 1.0f / sf[i];
   }
-  return normal;
+  if (not_normal != 0) return {};
+  kern.block_order(inv, inv, n);
+  return {inv, mantissas == 0};
 }
 
 void check_scales(const char* fn, const Tensor& sf, const Shape& shape) {
@@ -100,7 +106,7 @@ void per_token_cast(const char* fn, const Tensor& x, const Tensor& q, const Tens
     kern.amax_groups[wide](row_ptr(x, r), k, gran_k, s);
     finish_scales(s, groups, max_code, use_ue8m0);
     kern.quantize[static_cast<int>(fmt)][wide](row_ptr(x, r), reinterpret_cast<uint8_t*>(row_ptr_mut(q, r)), k, s, gran_k, stream,
-                                               r + 1 < m ? row_ptr(x, r + 1) : nullptr, true, nullptr);
+                                               r + 1 < m ? row_ptr(x, r + 1) : nullptr, true, detail::Reciprocals{});
   }
 }
 
@@ -170,7 +176,7 @@ void per_block_cast_to_fp8_into(const Tensor& x, const Tensor& q, const Tensor& 
       finish_scales(s, groups, kE4m3Max, use_ue8m0);
       for (int64_t r = r0; r < r1; ++r)
         kern.quantize[static_cast<int>(Narrow::e4m3)][wide](row_ptr(x, r), reinterpret_cast<uint8_t*>(row_ptr_mut(q, r)), k, s, block_k, stream,
-                                                            block_m < m - r ? row_ptr(x, r + block_m) : nullptr, true, nullptr);
+                                                            block_m < m - r ? row_ptr(x, r + block_m) : nullptr, true, detail::Reciprocals{});
     }
   }
 }
@@ -220,14 +226,13 @@ void per_channel_cast_to_fp8_into(const Tensor& x, const Tensor& q, const Tensor
       }
       finish_scales(s, mn, kE4m3Max, use_ue8m0);
       // The group's rows share these scales: their reciprocals, once, spare the kernel a
-      // division per element (only where every scale is a positive normal, as it requires),
-      // in the kernel's block order so that it loads them without shuffles.
-      const bool normal = reciprocals(s, mn, inv.data());
-      if (normal) kern.block_order(inv.data(), inv.data(), mn);
+      // division per element (and for ue8m0 scales, any check), in the kernel's block order
+      // so that it loads them without shuffles.
+      const detail::Reciprocals recip = reciprocals(kern, s, mn, inv.data());
       for (int64_t r = r0; r < r1; ++r)
         kern.quantize[static_cast<int>(Narrow::e4m3)][wide](row_ptr(x, r), reinterpret_cast<uint8_t*>(row_ptr_mut(q, r)), mn, s, 1, stream,
                                                             gran_k < k - r ? row_ptr(x, r + gran_k) : nullptr, true,
-                                                            normal ? inv.data() : nullptr);
+                                                            recip);
     }
   }
 }
@@ -421,7 +426,7 @@ void convert(const Tensor& src, const Tensor& dst) {
       else if (src.dtype() == DType::f32) kern.f32_to_bf16(reinterpret_cast<const float*>(w), reinterpret_cast<uint16_t*>(o), cols);
       else kern.bf16_to_f32(reinterpret_cast<const uint16_t*>(w), reinterpret_cast<float*>(o), cols);
     } else if (to_narrow) {
-      kern.quantize[narrow_of(dst.dtype())][static_cast<int>(wide_of(src))](w, reinterpret_cast<uint8_t*>(o), cols, &one, cols, stream, nullptr, false, nullptr);
+      kern.quantize[narrow_of(dst.dtype())][static_cast<int>(wide_of(src))](w, reinterpret_cast<uint8_t*>(o), cols, &one, cols, stream, nullptr, false, detail::Reciprocals{});
     } else {
       kern.dequantize[narrow_of(src.dtype())][static_cast<int>(wide_of(dst))](reinterpret_cast<const uint8_t*>(o), const_cast<char*>(w), cols, &one, cols, stream);
     }
