@@ -10,6 +10,10 @@ struct CpuFeatures {
   bool avx512f = false, avx512bw = false, avx512vl = false, avx512dq = false;
   bool avx512bf16 = false, avx512vnni = false, avx512vbmi = false;
   bool os_saves_zmm = false, os_saves_ymm = false;
+  // AMX tiles with bf16 dot products, and an OS that saves tile state (XCR0 bits 17-18; Linux
+  // still wants a per-process request, arch_prctl ARCH_REQ_XCOMP_PERM, before first use).
+  // No moekit kernel uses AMX yet; `moekit peak` measures it as a bf16 ceiling.
+  bool amx_bf16 = false, os_saves_tiles = false;
 };
 
 // Detected once (cpuid + xgetbv, so a hypervisor that hides ZMM state is respected).

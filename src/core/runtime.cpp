@@ -36,6 +36,8 @@ CpuFeatures detect() {
   if (__get_cpuid_max(0, nullptr) < 7) return f;
   __cpuid_count(7, 0, a, b, c, d);
   f.avx2 = f.os_saves_ymm && (b & (1u << 5));
+  f.os_saves_tiles = (xcr0 & 0x60000) == 0x60000;  // XTILECFG, XTILEDATA
+  f.amx_bf16 = f.os_saves_tiles && (d & (1u << 22)) && (d & (1u << 24));  // AMX-BF16, AMX-TILE
   if (f.os_saves_zmm) {
     f.avx512f = b & (1u << 16);
     f.avx512dq = b & (1u << 17);

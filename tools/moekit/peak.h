@@ -26,17 +26,21 @@ int64_t last_level_cache_bytes();
 // A working set that streams from DRAM: at least `floor` and at least 4x the last-level
 // cache (hosts with hundreds of MiB of L3 would otherwise serve "DRAM" rows from cache).
 int64_t dram_working_set(int64_t floor);
-// The all-thread bf16 dot-product ceiling (FLOP/s): vdpbf16ps where the CPU has it, else
-// f32 FMA on widened bf16.
+// The all-thread bf16 dot-product ceiling (FLOP/s): the best of AMX tiles, vdpbf16ps and f32
+// FMA on widened bf16, as far as the CPU has them.
 double measure_bf16_flops(int repeats);
 // The best all-thread read bandwidth (bytes/s), measured quickly for benchmark suites.
 double measure_read_bandwidth(int64_t bytes, int repeats);
+
+// Asks the OS, once per process, for AMX tile state; true when granted (peak_amx.cpp).
+bool amx_permitted();
 
 // ISA-specific loops (peak_avx2.cpp / peak_avx512.cpp). Each returns the operations done.
 namespace kernels {
 double fma_f32_avx2(int64_t iterations);          // FLOPs
 double fma_f32_avx512(int64_t iterations);
 double dot_bf16_avx512(int64_t iterations);       // FLOPs (vdpbf16ps)
+double dot_bf16_amx(int64_t iterations);          // FLOPs (tdpbf16ps; only after amx_permitted)
 void read_avx2(const void* data, int64_t bytes, int64_t* sink);
 void read_prefetch_avx2(const void* data, int64_t bytes, int64_t* sink);
 void read_4streams_avx2(const void* data, int64_t bytes, int64_t* sink);
