@@ -19,6 +19,7 @@
 #include "moekit/formats.h"
 #include "moekit/runtime.h"
 #include "moekit/tensor.h"
+#include "cpu/formats/format_kernels.h"
 #include "reference.h"
 #include "test_util.h"
 
@@ -273,6 +274,20 @@ TEST(QuantOracle, PerChannelFp8) {
   // x is [K, MN] here: one scale per column per gran rows.
   check_against_oracle(Cast::channel_fp8, {{1, 7, 128},    {130, 3, 128},  {300, 33, 64}, {129, 100, 32},
                                            {1000, 3, 128}, {257, 40, 128}, {7, 1000, 32}, {3, 1, 128}});
+}
+
+// Per-block and per-channel casts work in column strips where the L2 holds a group's rows
+// (format_kernels.h: set_cast_strip_budget); a 256 KiB budget forces them on any machine:
+// 4096 bf16 / 2048 f32 columns per strip for 32-row groups (8192 / 4096 for 16 rows), with a
+// partial last strip, partial groups and a block width that is not a power of two. (Small
+// groups of rows keep the f64 oracle's share of the test time low.)
+TEST(QuantOracle, ColumnStrips) {
+  struct Budget {
+    int64_t previous = detail::set_cast_strip_budget(int64_t{256} << 10);
+    ~Budget() { detail::set_cast_strip_budget(previous); }
+  } budget;
+  check_against_oracle(Cast::block_fp8, {{40, 4500, 128, 32}, {33, 4500, 96, 32}});
+  check_against_oracle(Cast::channel_fp8, {{40, 4500, 32}, {20, 8300, 16}});
 }
 
 TEST(QuantOracle, PerTokenFp4) {

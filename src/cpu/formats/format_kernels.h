@@ -59,6 +59,13 @@ inline const FormatKernels& format_kernels() { return format_kernels(active_isa(
 // 64 MiB). Returns the previous value; tests lower it to cover the streaming path.
 int64_t set_streaming_threshold(int64_t bytes);
 
+// Per-block and per-channel casts read each scale group twice (amax, then quantise). They
+// work on column strips whose input (the group's rows x the strip) fits this many bytes, so
+// that the second read hits L2, where strips give rows segments of at least 8 KiB; else on
+// whole rows. Default: half this core's L2 (sysconf; 0, no strips, when unknown). Returns
+// the previous value; tests set it to cover strips on any machine.
+int64_t set_cast_strip_budget(int64_t bytes);
+
 // 2^ceil(log2 sf) for positive finite sf by exponent arithmetic; zero, negative, inf and NaN
 // pass through unchanged (so it may run inside parallel regions, where nothing may throw).
 float ceil_pow2(float sf) noexcept;
