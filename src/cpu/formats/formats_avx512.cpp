@@ -85,8 +85,7 @@ QuantizeKernel g_e4m3_bf16_zmm = nullptr, g_e4m3_bf16_ymm = nullptr;
 
 void quantize_e4m3_bf16(const void* x, uint8_t* q, int64_t n, const float* sf, int64_t gran, bool stream,
                         const void* prefetch, bool scales_from_amax, Reciprocals inv) {
-  const bool pow2_path = scales_from_amax && gran >= 32 && gran % 32 == 0 && ((gran / 32) & (gran / 32 - 1)) == 0 &&
-                         n >= 64 && is_normal_power_of_two(sf[0]);
+  const bool pow2_path = scales_from_amax && is_bf16_pow2_group(gran) && n >= 64 && is_normal_power_of_two(sf[0]);
   (pow2_path ? g_e4m3_bf16_ymm : g_e4m3_bf16_zmm)(x, q, n, sf, gran, stream, prefetch, scales_from_amax, inv);
 }
 

@@ -249,7 +249,7 @@ void per_channel_cast_to_fp8_into(const Tensor& x, const Tensor& q, const Tensor
   const int64_t strips = std::max<int64_t>(1, ceil_div(mn, std::max<int64_t>(1, width)));
 #pragma omp parallel num_threads(threads_for(k * mn))
   {
-    std::vector<float> inv(static_cast<size_t>(std::min(width, mn)));
+    std::vector<float> inv(static_cast<size_t>(width));  // width <= mn
     std::vector<uint16_t> acc(bf16_acc ? inv.size() : 0);
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < groups * strips; ++item) {
