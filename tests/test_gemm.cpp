@@ -184,8 +184,6 @@ void call(const Case& cs, const Built& a, const Built& b, const Tensor& d, const
   }
 }
 
-// Runs one case under the active ISA; checks it against the oracle on the same stored
-// inputs and returns D (f32 copy) for cross-path comparisons.
 // The operands, C and the GEMM's output of one case (under the active ISA).
 struct CaseRun {
   Built a, b;
@@ -208,19 +206,15 @@ CaseRun run_case(const Case& cs, uint64_t seed) {
   return r;
 }
 
-std::vector<double> check_case(const Case& cs, uint64_t seed) {
-  SCOPED_TRACE(cs.str());
-  const CaseRun run = run_case(cs, seed);
-  const Built &a = run.a, &b = run.b;
-  const Tensor& c0 = run.c0;
+// Checks D of one run against the oracle on the same stored inputs (a, b, C of the run).
+void check_against_oracle(const Case& cs, const CaseRun& run, const std::vector<double>& want,
+                          const std::vector<double>& abs_dot) {
   const std::vector<double>& got = run.got;
-  const std::vector<double> want = ref::gemm(cs.layout, a.ref, b.ref, c0);
   const double diff = ref::calc_diff(got, want);
   EXPECT_LE(diff, 1e-5);
   // Element-wise, against the classic bound for f32 accumulation of K terms:
   // |got - want| <= 2K·2^-24·(Σ|a·b| + |c|) (+ half a bf16 ulp when D is bf16).
-  const std::vector<double> abs_dot = ref::gemm(cs.layout, abs_operand(a.ref), abs_operand(b.ref));
-  const std::vector<double> c_vals = c0.defined() ? ref::to_f64(c0) : std::vector<double>(got.size(), 0.0);
+  const std::vector<double> c_vals = run.c0.defined() ? ref::to_f64(run.c0) : std::vector<double>(got.size(), 0.0);
   double worst = 0;
   for (size_t i = 0; i < got.size(); ++i) {
     const double tol = (cs.out == DType::bf16 ? 0x1p-8 * std::fabs(want[i]) : 0x1p-24 * std::fabs(want[i])) +
@@ -228,27 +222,43 @@ std::vector<double> check_case(const Case& cs, uint64_t seed) {
     worst = std::max(worst, std::fabs(got[i] - want[i]) / tol);
   }
   EXPECT_LE(worst, 1.0) << "largest element error / bound";
-  return got;
 }
 
-// check_case under every supported ISA; all paths must give the same bits.
+// Runs one case under each ISA of `isas` (the oracle once: the operands are the same bits
+// under every ISA), checks every result against the oracle and returns them in that order.
+std::vector<std::vector<double>> check_runs(const Case& cs, uint64_t seed, const std::vector<Isa>& isas) {
+  SCOPED_TRACE(cs.str());
+  std::vector<CaseRun> runs;
+  for (Isa isa : isas) {
+    ScopedIsa scoped(isa);
+    runs.push_back(run_case(cs, seed));
+  }
+  const Built &a = runs[0].a, &b = runs[0].b;
+  const std::vector<double> want = ref::gemm(cs.layout, a.ref, b.ref, runs[0].c0);
+  const std::vector<double> abs_dot = ref::gemm(cs.layout, abs_operand(a.ref), abs_operand(b.ref));
+  std::vector<std::vector<double>> out;
+  for (size_t i = 0; i < runs.size(); ++i) {
+    SCOPED_TRACE(std::string("isa=") + isa_name(isas[i]));
+    check_against_oracle(cs, runs[i], want, abs_dot);
+    out.push_back(std::move(runs[i].got));
+  }
+  return out;
+}
+
+// One case under the active ISA, checked against the oracle; returns D (as f64).
+std::vector<double> check_case(const Case& cs, uint64_t seed) { return check_runs(cs, seed, {active_isa()})[0]; }
+
+// check_case under every GEMM path of this CPU. The FMA-class paths (scalar, avx2, avx512)
+// must give the same bits; the AMX path, an accuracy class of its own, is held to the
+// oracle (and to thread-count identity by the tests that vary the threads).
 void check_case_on_every_isa(const Case& cs, uint64_t seed) {
-  std::vector<double> first;
-  for_each_isa([&](Isa) {
-    const std::vector<double> got = check_case(cs, seed);
-    if (first.empty()) first = got;
-    else EXPECT_EQ(0, std::memcmp(first.data(), got.data(), got.size() * sizeof(double))) << cs.str();
-  });
-}
-
-// The same with the (slow) oracle run once, under the active ISA; the other ISA paths must
-// give its bits.
-void check_case_then_compare_isas(const Case& cs, uint64_t seed) {
-  const std::vector<double> want = check_case(cs, seed);
-  for_each_isa([&](Isa) {
-    const std::vector<double> got = run_case(cs, seed).got;
-    EXPECT_EQ(0, std::memcmp(want.data(), got.data(), got.size() * sizeof(double))) << cs.str();
-  });
+  const std::vector<Isa> isas = moekit::testing::gemm_isas();
+  const std::vector<std::vector<double>> got = check_runs(cs, seed, isas);
+  for (size_t i = 1; i < isas.size(); ++i) {
+    if (isas[i] == Isa::amx) continue;
+    EXPECT_EQ(0, std::memcmp(got[0].data(), got[i].data(), got[i].size() * sizeof(double)))
+        << cs.str() << ": " << isa_name(isas[i]) << " vs " << isa_name(isas[0]);
+  }
 }
 
 const Layout kLayouts[] = {Layout::nt, Layout::nn, Layout::tn, Layout::tt};
@@ -314,13 +324,13 @@ TEST(Gemm, BlockedDriversMatchOracle) {
     set_num_threads(threads);
     for (Layout layout : kLayouts)
       for (int64_t k : {300, 1700}) {  // 2 K blocks (short K), 7 (general)
-        check_case_then_compare_isas({layout, Fmt::bf16, Fmt::bf16, 230, 40, k, DType::f32, CMode::in_place, false}, seed++);
-        check_case_then_compare_isas({layout, Fmt::fp8_token, Fmt::fp8_block, 230, 40, k, DType::bf16, CMode::separate, false}, seed++);
-        check_case_then_compare_isas({layout, Fmt::fp8_token, Fmt::fp4, 230, 40, k, DType::f32, CMode::none, true}, seed++);
+        check_case_on_every_isa({layout, Fmt::bf16, Fmt::bf16, 230, 40, k, DType::f32, CMode::in_place, false}, seed++);
+        check_case_on_every_isa({layout, Fmt::fp8_token, Fmt::fp8_block, 230, 40, k, DType::bf16, CMode::separate, false}, seed++);
+        check_case_on_every_isa({layout, Fmt::fp8_token, Fmt::fp4, 230, 40, k, DType::f32, CMode::none, true}, seed++);
       }
   }
   set_num_threads(1);  // 3 K blocks: packed B of 4 MiB holds 1360 columns, so 1400 are two column blocks
-  check_case_then_compare_isas({Layout::nt, Fmt::bf16, Fmt::bf16, 230, 1400, 600, DType::bf16, CMode::separate, false}, seed++);
+  check_case_on_every_isa({Layout::nt, Fmt::bf16, Fmt::bf16, 230, 1400, 600, DType::bf16, CMode::separate, false}, seed++);
 }
 
 // A large-enough problem to take the multi-threaded, multi-block paths (several K blocks,

@@ -29,12 +29,20 @@
 
 namespace moekit::testing {
 
-// Every instruction-set path this CPU can run (the others are reported as skipped by the
-// tests that need them, never silently dropped).
+// Every vector instruction-set path this CPU can run (the others are reported as skipped
+// by the tests that need them, never silently dropped). Isa::amx is left out: outside the
+// GEMMs it runs the avx512 kernels, so it would test nothing new.
 inline std::vector<Isa> supported_isas() {
   std::vector<Isa> out;
   for (Isa isa : {Isa::scalar, Isa::avx2, Isa::avx512})
     if (isa_supported(isa)) out.push_back(isa);
+  return out;
+}
+
+// The GEMM paths: supported_isas() and, where granted, the AMX one (its own accuracy class).
+inline std::vector<Isa> gemm_isas() {
+  std::vector<Isa> out = supported_isas();
+  if (isa_supported(Isa::amx)) out.push_back(Isa::amx);
   return out;
 }
 

@@ -12,7 +12,7 @@ struct CpuFeatures {
   bool os_saves_zmm = false, os_saves_ymm = false;
   // AMX tiles with bf16 dot products, and an OS that saves tile state (XCR0 bits 17-18; Linux
   // still wants a per-process request, arch_prctl ARCH_REQ_XCOMP_PERM, before first use).
-  // No moekit kernel uses AMX yet; `moekit peak` measures it as a bf16 ceiling.
+  // The GEMMs use it under Isa::amx; `moekit peak` measures it as a bf16 ceiling.
   bool amx_bf16 = false, os_saves_tiles = false;
 };
 
@@ -22,13 +22,21 @@ const CpuFeatures& cpu_features();
 // The instruction-set levels moekit has kernels for, in increasing order.
 //   avx2   = AVX2 + FMA + F16C
 //   avx512 = AVX-512 F/BW/VL/DQ (kernels use BF16/VNNI/VBMI only when those bits are set)
-enum class Isa { scalar = 0, avx2 = 1, avx512 = 2 };
+//   amx    = avx512 + AMX-BF16 tiles, granted to this process by the OS. Only the GEMMs
+//            have AMX kernels (every other component runs its avx512 kernels). Their
+//            accuracy class differs from the FMA paths: results are bit-identical across
+//            runs and thread counts, but not to the scalar/avx2/avx512 bits (tdpbf16ps
+//            sums pairs of products and flushes denormals; docs/GEMM.md).
+enum class Isa { scalar = 0, avx2 = 1, avx512 = 2, amx = 3 };
 const char* isa_name(Isa isa);
 Isa parse_isa(const std::string& name);  // Error on unknown names
 bool isa_supported(Isa isa);
+// AMX tile data granted to this process (asks Linux once, arch_prctl ARCH_REQ_XCOMP_PERM);
+// false on CPUs without AMX-BF16.
+bool amx_permitted();
 Isa best_supported_isa();
 
-// The level kernels dispatch to: MOEKIT_ISA=scalar|avx2|avx512 if set (Error if this CPU
+// The level kernels dispatch to: MOEKIT_ISA=scalar|avx2|avx512|amx if set (Error if this CPU
 // lacks it), else the best supported. set_active_isa overrides it for the process (tests
 // use it to run every path); ScopedIsa restores the previous choice.
 Isa active_isa();

@@ -2,6 +2,8 @@
 
 #include <cpuid.h>
 #include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cstdlib>
@@ -77,6 +79,7 @@ const char* isa_name(Isa isa) {
     case Isa::scalar: return "scalar";
     case Isa::avx2: return "avx2";
     case Isa::avx512: return "avx512";
+    case Isa::amx: return "amx";
   }
   return "?";
 }
@@ -85,7 +88,8 @@ Isa parse_isa(const std::string& name) {
   if (name == "scalar") return Isa::scalar;
   if (name == "avx2") return Isa::avx2;
   if (name == "avx512") return Isa::avx512;
-  detail::fail("parse_isa", "name", "scalar, avx2 or avx512", "\"" + name + "\"");
+  if (name == "amx") return Isa::amx;
+  detail::fail("parse_isa", "name", "scalar, avx2, avx512 or amx", "\"" + name + "\"");
 }
 
 bool isa_supported(Isa isa) {
@@ -94,11 +98,21 @@ bool isa_supported(Isa isa) {
     case Isa::scalar: return true;
     case Isa::avx2: return f.avx2 && f.fma && f.f16c;
     case Isa::avx512: return f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq && isa_supported(Isa::avx2);
+    case Isa::amx: return f.amx_bf16 && isa_supported(Isa::avx512) && amx_permitted();
   }
   return false;
 }
 
+bool amx_permitted() {
+  if (!cpu_features().amx_bf16) return false;
+  // Linux keeps tile data disabled (XFD) until the process asks for it, once.
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  static const bool granted = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  return granted;
+}
+
 Isa best_supported_isa() {
+  if (isa_supported(Isa::amx)) return Isa::amx;
   if (isa_supported(Isa::avx512)) return Isa::avx512;
   if (isa_supported(Isa::avx2)) return Isa::avx2;
   return Isa::scalar;

@@ -107,7 +107,7 @@ void measure_compute(std::vector<Ceiling>& out, int threads, int repeats) {
     keep_best(out, {"bf16_flops", "f32 FMA on widened bf16 (avx512)", threads, v});
     if (f.avx512bf16) keep_best(out, {"bf16_flops", "avx512_bf16 vdpbf16ps zmm", threads, flops(&kernels::dot_bf16_avx512)});
   }
-  if (f.amx_bf16 && amx_permitted())
+  if (isa_supported(Isa::amx))
     keep_best(out, {"bf16_flops", "amx_bf16 tdpbf16ps tiles", threads, flops(&kernels::dot_bf16_amx)});
 }
 

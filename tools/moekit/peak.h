@@ -32,8 +32,6 @@ double measure_bf16_flops(int repeats);
 // The best all-thread read bandwidth (bytes/s), measured quickly for benchmark suites.
 double measure_read_bandwidth(int64_t bytes, int repeats);
 
-// Asks the OS, once per process, for AMX tile state; true when granted (peak_amx.cpp).
-bool amx_permitted();
 
 // ISA-specific loops (peak_avx2.cpp / peak_avx512.cpp). Each returns the operations done.
 namespace kernels {

@@ -1,23 +1,14 @@
 // AMX loop of `moekit peak` (compiled with -mamx-tile -mamx-bf16). Called only where the
 // CPU has AMX-BF16, the OS saves tile state and this process was granted it
-// (amx_permitted), so that an AMX host's bf16 ceiling is not read off the vector units:
+// (moekit::amx_permitted), so that an AMX host's bf16 ceiling is not read off the vector units:
 // a ceiling that reads low would flatter every "% of ceiling" figure.
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <cstdint>
 
 #include "peak.h"
 
 namespace moekit::tools {
-
-bool amx_permitted() {
-  // Linux keeps tile data disabled (XFD) until the process asks for it once.
-  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  static const bool granted = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  return granted;
-}
 
 namespace kernels {
 namespace {

@@ -4,6 +4,7 @@ namespace moekit::detail {
 
 const FormatKernels& format_kernels(Isa isa) {
   switch (isa) {
+    case Isa::amx:  // no AMX kernels for the casts
     case Isa::avx512: return format_kernels_avx512();
     case Isa::avx2: return format_kernels_avx2();
     case Isa::scalar: break;

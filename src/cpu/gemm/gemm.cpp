@@ -83,15 +83,20 @@ ThreadBuffers& thread_buffers() {
 
 // ---------------------------------------------------------------- the driver
 
-// B's micro-panels when the caller packed them once (PackedWeights): f32
-// [K block][panel of nr columns][kc][nr], every K block n_pad columns wide, so block pc
-// starts at pc * n_pad and its panels are kc x nr apart, exactly as the driver packs a
-// block itself. Null data: B is packed in every call.
+// Floats of `count` micro-panels (of width rows / columns) over K block depth kc.
+int64_t panels_floats(const detail::GemmKernels& kern, int64_t count, int64_t kc, int width) {
+  return count * kern.panel_floats(kc, width);
+}
+
+// B's micro-panels when the caller packed them once (PackedWeights):
+// [K block][panel of nr columns][panel over the block's kc], every K block n_pad columns
+// wide, exactly as the driver packs a block itself. Null data: B is packed in every call.
 struct Prepacked {
   const float* data = nullptr;
   int64_t n_pad = 0;
   const float* at(const detail::GemmKernels& kern, int64_t jc, int64_t pc, int64_t kc) const {
-    return data + pc * n_pad + (jc / kern.nr) * kc * kern.nr;
+    return data + panels_floats(kern, n_pad / kern.nr * (pc / kern.kc), kern.kc, kern.nr) +
+           panels_floats(kern, jc / kern.nr, kc, kern.nr);
   }
 };
 
@@ -150,13 +155,13 @@ void sweep(const detail::GemmKernels& kern, const float* pa, const float* pb, in
            float* acc, int64_t panel_stride, bool accumulate) {
   for (int64_t jr = 0; jr < nc; jr += kern.nr) {
     const int cols = static_cast<int>(std::min<int64_t>(kern.nr, nc - jr));
-    const float* bp = pb + (jr / kern.nr) * kc * kern.nr;
+    const float* bp = pb + panels_floats(kern, jr / kern.nr, kc, kern.nr);
     for (int64_t ir = 0; ir < mc; ir += kern.mr) {
       const int r = static_cast<int>(std::min<int64_t>(kern.mr, mc - ir));
       float* c_tile = acc + (jr / kern.nr) * panel_stride + ir * kern.nr;
       const char* next = reinterpret_cast<const char*>(c_tile + 2 * kern.mr * kern.nr);
       for (int64_t byte = 0; byte < kern.mr * kern.nr * 4; byte += 64) __builtin_prefetch(next + byte, 1);
-      kern.tile(kc, pa + (ir / kern.mr) * kc * kern.mr, bp, c_tile, kern.nr, r, cols, accumulate);
+      kern.tile(kc, pa + panels_floats(kern, ir / kern.mr, kc, kern.mr), bp, c_tile, kern.nr, r, cols, accumulate);
     }
   }
 }
@@ -188,32 +193,36 @@ void run_all_k_item(const detail::GemmKernels& kern, const GemmOperand& a, const
                                   : std::min(column_block(mc_max, n1 - n0, kern.nr), nc_cap);
   const int64_t nc_pad = ceil_div(nc_max, kern.nr) * kern.nr;
   ThreadBuffers& buf = thread_buffers();
-  float* pa = buf.a.get(static_cast<size_t>(mc_pad * kern.kc * blocks));
-  float* pb = pre.data ? nullptr : buf.b.get(static_cast<size_t>(nc_pad * kern.kc * blocks));
+  // (every K block is laid out kern.kc deep, the last one included)
+  const int64_t a_block = panels_floats(kern, mc_pad / kern.mr, kern.kc, kern.mr);
+  const int64_t b_block = panels_floats(kern, nc_pad / kern.nr, kern.kc, kern.nr);
+  float* pa = buf.a.get(static_cast<size_t>(a_block * blocks));
+  float* pb = pre.data ? nullptr : buf.b.get(static_cast<size_t>(b_block * blocks));
   float* acc = buf.acc.get(static_cast<size_t>(mc_max * nc_pad));
   auto pack_a = [&](int64_t ic, int64_t mc) {
     for (int64_t pc = 0; pc < k; pc += kern.kc)
-      kern.pack(a, ic, mc, pc, std::min(kern.kc, k - pc), kern.mr, pa + (pc / kern.kc) * mc_pad * kern.kc,
+      kern.pack(a, ic, mc, pc, std::min(kern.kc, k - pc), kern.mr, pa + (pc / kern.kc) * a_block,
                 detail::PackNext::next_rows);
   };
   if (one_row_block) pack_a(m0, rows);
   for (int64_t jc = n0; jc < n1; jc += nc_max) {
     const int64_t nc = std::min(nc_max, n1 - jc);
-    auto b_block = [&](int64_t pc) {
-      return pre.data ? pre.at(kern, jc, pc, std::min(kern.kc, k - pc)) : pb + (pc / kern.kc) * nc_pad * kern.kc;
+    auto b_at = [&](int64_t pc) {
+      return pre.data ? pre.at(kern, jc, pc, std::min(kern.kc, k - pc)) : pb + (pc / kern.kc) * b_block;
     };
     for (int64_t p0 = 0; p0 < (pre.data ? 0 : nc); p0 += kern.nr)
       for (int64_t pc = 0; pc < k; pc += kern.kc) {
         const int64_t kc = std::min(kern.kc, k - pc);
-        kern.pack(b, jc + p0, std::min<int64_t>(kern.nr, nc - p0), pc, kc, kern.nr,
-                  pb + (pc / kern.kc) * nc_pad * kern.kc + (p0 / kern.nr) * kc * kern.nr, detail::PackNext::next_k);
+        kern.pack_b(b, jc + p0, std::min<int64_t>(kern.nr, nc - p0), pc, kc, kern.nr,
+                    pb + (pc / kern.kc) * b_block + panels_floats(kern, p0 / kern.nr, kc, kern.nr),
+                    detail::PackNext::next_k);
       }
     for (int64_t ic = m0; ic < m1; ic += kMc) {
       const int64_t mc = std::min(kMc, m1 - ic), panel_stride = mc * kern.nr;
       if (!one_row_block) pack_a(ic, mc);
       if (k == 0) std::fill(acc, acc + mc * nc_pad, 0.0f);
       for (int64_t pc = 0; pc < k; pc += kern.kc)
-        sweep(kern, pa + (pc / kern.kc) * mc_pad * kern.kc, b_block(pc), mc, nc, std::min(kern.kc, k - pc), acc,
+        sweep(kern, pa + (pc / kern.kc) * a_block, b_at(pc), mc, nc, std::min(kern.kc, k - pc), acc,
               panel_stride, pc > 0);
       write_block(out, {acc, kern.nr, panel_stride}, ic, ic + mc, jc, nc);
     }
@@ -230,8 +239,8 @@ void run_item(const detail::GemmKernels& kern, const GemmOperand& a, const GemmO
   const int64_t nc_max = column_block(rows, n1 - n0, kern.nr);
   ThreadBuffers& buf = thread_buffers();
   const int64_t mc_max = std::min<int64_t>(kMc, ceil_div(rows, kern.mr) * kern.mr);
-  float* pa = buf.a.get(static_cast<size_t>(mc_max * kern.kc));
-  float* pb = pre.data ? nullptr : buf.b.get(static_cast<size_t>(nc_max * kern.kc));
+  float* pa = buf.a.get(static_cast<size_t>(panels_floats(kern, ceil_div(mc_max, kern.mr), kern.kc, kern.mr)));
+  float* pb = pre.data ? nullptr : buf.b.get(static_cast<size_t>(panels_floats(kern, ceil_div(nc_max, kern.nr), kern.kc, kern.nr)));
   const int64_t panel_stride = rows * kern.nr;
   float* acc = buf.acc.get(static_cast<size_t>(rows * ceil_div(nc_max, kern.nr) * kern.nr));
   for (int64_t jc = n0; jc < n1; jc += nc_max) {
@@ -241,7 +250,7 @@ void run_item(const detail::GemmKernels& kern, const GemmOperand& a, const GemmO
       const int64_t kc = std::min(kern.kc, k - pc);
       const float* bp = pb;
       if (pre.data) bp = pre.at(kern, jc, pc, kc);
-      else kern.pack(b, jc, nc, pc, kc, kern.nr, pb, detail::PackNext::next_rows);
+      else kern.pack_b(b, jc, nc, pc, kc, kern.nr, pb, detail::PackNext::next_rows);
       for (int64_t ic = m0; ic < m1; ic += kMc) {
         const int64_t mc = std::min(kMc, m1 - ic);
         kern.pack(a, ic, mc, pc, kc, kern.mr, pa, detail::PackNext::next_rows);
@@ -276,7 +285,7 @@ void run_gemm(const GemmOperand& a, const GemmOperand& b, const Output& out, con
               Isa isa = active_isa()) {
   const int64_t m = a.mn, n = b.mn, k = a.k;
   if (m == 0 || n == 0) return;
-  const detail::GemmKernels& kern = detail::gemm_kernels(isa);
+  const detail::GemmKernels& kern = detail::gemm_kernels_for(isa, a, b);
   // (B groups must be whole lanes: the per-group sums of the small-M path are 8 lanes wide.)
   if (!pre.data && m <= detail::kGemmSmallM && a.k_major && b.k_major && k > 0 && (!b.sf || b.gran_k % 8 == 0)) {
     const double bytes = static_cast<double>(n) * static_cast<double>(k);
@@ -429,22 +438,33 @@ struct PackedWeightsAccess {
 
 namespace {
 
+// An A operand of the kind these weights are meant for (bf16 weights: bf16 activations;
+// scaled ones: scaled activations), to pick the kernels at packing time.
+GemmOperand activation_like(const GemmOperand& b) {
+  GemmOperand a = b;
+  a.k_major = true;
+  return a;
+}
+
 // B packed panel by panel (panels are independent, so any thread split gives the same
-// bytes), every panel over all of K, by the active ISA's pack: the same bytes the driver
-// would pack for any block of it.
+// bytes), every panel over all of K, by the active ISA's pack (or avx512's where the AMX
+// kernels do not take such operands): the same bytes the driver would pack for any block.
 PackedWeights pack_weights(const GemmOperand& b) {
-  const Isa isa = active_isa();
+  const Isa isa = detail::gemm_isa_for(active_isa(), activation_like(b), b);
   const detail::GemmKernels& kern = detail::gemm_kernels(isa);
   const int64_t n_pad = ceil_div(b.mn, kern.nr) * kern.nr, panels = n_pad / kern.nr;
-  Tensor out = Tensor::empty({n_pad * b.k}, DType::f32);
+  const int64_t blocks = b.k / kern.kc, tail = b.k % kern.kc;
+  Tensor out = Tensor::empty({panels * (blocks * kern.panel_floats(kern.kc, kern.nr) + kern.panel_floats(tail, kern.nr))},
+                             DType::f32);
   float* data = static_cast<float*>(out.data());
   const double elements = static_cast<double>(n_pad) * static_cast<double>(b.k);
 #pragma omp parallel for schedule(static) num_threads(elements < 1e6 ? 1 : std::max(1, num_threads()))
   for (int64_t p = 0; p < panels; ++p)
     for (int64_t pc = 0; pc < b.k; pc += kern.kc) {
       const int64_t kc = std::min(kern.kc, b.k - pc);
-      kern.pack(b, p * kern.nr, std::min<int64_t>(kern.nr, b.mn - p * kern.nr), pc, kc, kern.nr,
-                data + pc * n_pad + p * kc * kern.nr, detail::PackNext::next_k);
+      kern.pack_b(b, p * kern.nr, std::min<int64_t>(kern.nr, b.mn - p * kern.nr), pc, kc, kern.nr,
+                  data + (pc / kern.kc) * panels * kern.panel_floats(kern.kc, kern.nr) + p * kern.panel_floats(kc, kern.nr),
+                  detail::PackNext::next_k);
     }
   return PackedWeightsAccess::make(std::move(out), b.mn, b.k, b.dtype, isa);
 }
@@ -457,6 +477,9 @@ void run_packed(const char* fn, const GemmOperand& a, const PackedWeights& b, co
   gb.dtype = b.source_dtype();
   gb.mn = b.n();
   gb.k = b.k();
+  if (detail::gemm_isa_for(b.isa(), a, gb) != b.isa())
+    fail(fn, "a", std::string("activations the ") + isa_name(b.isa()) + " kernels that packed b take (bf16)",
+         std::string(dtype_name(a.dtype)) + " with scales; pack b under MOEKIT_ISA=avx512 for scaled activations");
   const int64_t nr = detail::gemm_kernels(b.isa()).nr;
   run_gemm(a, gb, describe_output(fn, d, c, a.mn, b.n()), Prepacked{PackedWeightsAccess::data(b), ceil_div(b.n(), nr) * nr},
            b.isa());

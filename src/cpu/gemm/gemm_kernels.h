@@ -44,8 +44,16 @@ struct GemmKernels {
   // count). Values are decoded and multiplied by their scale. `next` says what the caller
   // packs next, so that K-major sources can be prefetched: the following rows at the same
   // K (next_rows) or the same rows further along K (next_k).
-  void (*pack)(const GemmOperand& op, int64_t mn0, int64_t count, int64_t k0, int64_t kc, int width,
-               float* out, PackNext next);
+  using PackFn = void (*)(const GemmOperand& op, int64_t mn0, int64_t count, int64_t k0, int64_t kc, int width,
+                         float* out, PackNext next);
+  PackFn pack = nullptr;    // A (rows of the output)
+  PackFn pack_b = nullptr;  // B (columns); the same function where both panels look alike
+  // Floats one micro-panel of kc x width takes (kc * width for f32 panels; the AMX target
+  // stores bf16 in 32-deep K steps). Panels of a block are this far apart.
+  int64_t (*panel_floats)(int64_t kc, int width) = nullptr;
+  // Whether this target takes these operands; null: all. The driver runs the avx512
+  // kernels for the others.
+  bool (*accepts)(const GemmOperand& a, const GemmOperand& b) = nullptr;
   // c[i, j] (+)= Σ_kk a[kk, i] · b[kk, j] for i < rows (≤ mr), j < cols (≤ nr), on
   // micro-panels a (stride mr) and b (stride nr); c has row stride ldc. accumulate = false
   // overwrites c. FMAs in kk order from the loaded (or zero) value of c.
@@ -63,6 +71,12 @@ inline constexpr int64_t kGemmSmallM = 4;
 const GemmKernels& gemm_kernels_scalar();
 const GemmKernels& gemm_kernels_avx2();
 const GemmKernels& gemm_kernels_avx512();  // only called when the CPU has AVX-512
+const GemmKernels& gemm_kernels_amx();     // only called when Isa::amx is supported
 const GemmKernels& gemm_kernels(Isa isa);
+// The kernels of `isa` if they take these operands, else the avx512 ones (the AMX target
+// takes unscaled bf16 operands only).
+const GemmKernels& gemm_kernels_for(Isa isa, const GemmOperand& a, const GemmOperand& b);
+// The ISA whose kernels gemm_kernels_for picks.
+Isa gemm_isa_for(Isa isa, const GemmOperand& a, const GemmOperand& b);
 
 }  // namespace moekit::detail

@@ -62,11 +62,21 @@ const GemmKernels& gemm_kernels_scalar() { return kernels_table(); }
 
 const GemmKernels& gemm_kernels(Isa isa) {
   switch (isa) {
+    case Isa::amx: return gemm_kernels_amx();
     case Isa::avx512: return gemm_kernels_avx512();
     case Isa::avx2: return gemm_kernels_avx2();
     case Isa::scalar: break;
   }
   return gemm_kernels_scalar();
+}
+
+Isa gemm_isa_for(Isa isa, const GemmOperand& a, const GemmOperand& b) {
+  const GemmKernels& k = gemm_kernels(isa);
+  return !k.accepts || k.accepts(a, b) ? isa : Isa::avx512;
+}
+
+const GemmKernels& gemm_kernels_for(Isa isa, const GemmOperand& a, const GemmOperand& b) {
+  return gemm_kernels(gemm_isa_for(isa, a, b));
 }
 
 }  // namespace moekit::detail

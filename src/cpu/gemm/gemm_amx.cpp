@@ -1,0 +1,203 @@
+// AMX target (Isa::amx): a 32 x 32 f32 output tile held as four 16 x 16 AMX tiles, fed by
+// bf16 micro-panels laid out as the tiles load them. Reached via dispatch only, on CPUs
+// with AMX-BF16 that the OS granted to this process.
+//
+// Accuracy class: tdpbf16ps sums each pair of products into the f32 accumulator with its own
+// rounding and flushes denormal inputs and outputs, so the results are not the FMA paths'
+// bits; they are the same on every run and for any thread count (fixed K blocks, fixed
+// order of 32-deep steps within a block). The operands it takes are unscaled bf16 ones; the
+// others (FP8/FP4 with scales, f32) run the avx512 kernels (accepts() below).
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "gemm_kernels.h"
+
+namespace moekit::detail {
+namespace {
+
+constexpr int kMr = 32, kNr = 32;
+constexpr int kStep = 32;            // K per tdpbf16ps (16 pairs)
+constexpr int kTileBytes = 1024;     // 16 rows x 64 bytes
+constexpr int64_t kKc = kGemmKc;     // K block (panel = 16 KiB per operand)
+constexpr int64_t kMaxWords = kKc / 2;
+
+// ldtilecfg's 64-byte operand, palette 1: tiles 0-3 hold C (16 x 16 f32), 4-5 A (16 rows x
+// 32 bf16), 6-7 B (16 pairs of K x 16 columns).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+  TileConfig() {
+    for (int t = 0; t < 8; ++t) {
+      rows[t] = 16;
+      bytes_per_row[t] = 64;
+    }
+  }
+};
+
+// Loaded on every tile call: other AMX users on the same thread (oneDNN, the peak loop) may
+// have configured the tiles differently since the last call.
+void configure() {
+  static const TileConfig config;
+  _tile_loadconfig(&config);
+}
+
+// ---------------------------------------------------------------- packing
+// Both panels store K in 32-deep steps, zero-padded. Step s of a panel is 2 KiB: two tiles
+// of 1 KiB, for rows (or columns) 0-15 and 16-31.
+//  - A panel: tile row r = operand row r, 32 bf16 along K.
+//  - B panel: tile row p = K pair p of the step, 16 columns x (k = 2p, 2p + 1) bf16 pairs.
+// Both start from "words": the operand's rows as 32-bit bf16 pairs along K.
+
+int64_t panel_floats(int64_t kc, int width) { return (kc + kStep - 1) / kStep * kStep * width / 2; }
+
+// Operand rows [i0, i0 + rows) x K [k0, k0 + kc) as words: out[r * ldw + p] holds elements
+// (k0 + 2p, k0 + 2p + 1) of row i0 + r (low half first), zero past the operand and up to
+// ldw words.
+void load_words(const GemmOperand& op, int64_t i0, int rows, int64_t k0, int64_t kc, uint32_t* out, int64_t ldw) {
+  const int64_t es = 2;
+  for (int r = rows; r < kMr; ++r) std::memset(out + r * ldw, 0, static_cast<size_t>(ldw) * 4);
+  if (op.k_major) {
+    for (int r = 0; r < rows; ++r) {
+      uint32_t* dst = out + r * ldw;
+      std::memcpy(dst, op.data + ((i0 + r) * op.ld + k0) * es, static_cast<size_t>(kc) * 2);
+      std::memset(reinterpret_cast<uint16_t*>(dst) + kc, 0, static_cast<size_t>(2 * ldw - kc) * 2);
+    }
+    return;
+  }
+  // MN-major: stored row k holds the rows side by side; interleave K rows two at a time.
+  for (int r = 0; r < rows; ++r) std::memset(out + r * ldw, 0, static_cast<size_t>(ldw) * 4);
+  for (int64_t kk = 0; kk < kc; kk += 2) {
+    const uint16_t* lo = reinterpret_cast<const uint16_t*>(op.data + ((k0 + kk) * op.ld + i0) * es);
+    const uint16_t* hi =
+        kk + 1 < kc ? reinterpret_cast<const uint16_t*>(op.data + ((k0 + kk + 1) * op.ld + i0) * es) : nullptr;
+    for (int r = 0; r < rows; ++r)
+      out[r * ldw + kk / 2] = lo[r] | (hi ? static_cast<uint32_t>(hi[r]) << 16 : 0u);
+  }
+}
+
+// A 16 x 16 block of 32-bit words (row stride lds) transposed into 16 contiguous rows.
+void transpose16(const uint32_t* src, int64_t lds, uint32_t* dst) {
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src + i * lds);
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  // u[4q + j], lane L: column 4L + j of rows 4q .. 4q + 3.
+  for (int q = 0; q < 16; q += 4) {
+    r[q] = _mm512_unpacklo_epi64(t[q], t[q + 2]);
+    r[q + 1] = _mm512_unpackhi_epi64(t[q], t[q + 2]);
+    r[q + 2] = _mm512_unpacklo_epi64(t[q + 1], t[q + 3]);
+    r[q + 3] = _mm512_unpackhi_epi64(t[q + 1], t[q + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {
+    const __m512i v = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x88), w = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xdd);
+    const __m512i x = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x88), y = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xdd);
+    _mm512_storeu_si512(dst + (0 + j) * 16, _mm512_shuffle_i32x4(v, x, 0x88));
+    _mm512_storeu_si512(dst + (8 + j) * 16, _mm512_shuffle_i32x4(v, x, 0xdd));
+    _mm512_storeu_si512(dst + (4 + j) * 16, _mm512_shuffle_i32x4(w, y, 0x88));
+    _mm512_storeu_si512(dst + (12 + j) * 16, _mm512_shuffle_i32x4(w, y, 0xdd));
+  }
+}
+
+template <bool kB>
+void pack_panels(const GemmOperand& op, int64_t mn0, int64_t count, int64_t k0, int64_t kc, float* out) {
+  alignas(64) static thread_local uint32_t words[kMr * kMaxWords];
+  const int64_t steps = (kc + kStep - 1) / kStep, ldw = steps * (kStep / 2);
+  for (int64_t p0 = 0; p0 < count; p0 += kMr) {
+    uint8_t* panel = reinterpret_cast<uint8_t*>(out + (p0 / kMr) * panel_floats(kc, kMr));
+    load_words(op, mn0 + p0, static_cast<int>(std::min<int64_t>(kMr, count - p0)), k0, kc, words, ldw);
+    for (int64_t s = 0; s < steps; ++s)
+      for (int h = 0; h < 2; ++h) {
+        uint32_t* tile = reinterpret_cast<uint32_t*>(panel + (2 * s + h) * kTileBytes);
+        const uint32_t* src = words + h * 16 * ldw + s * 16;
+        if constexpr (kB) {
+          transpose16(src, ldw, tile);
+        } else {
+          for (int r = 0; r < 16; ++r) std::memcpy(tile + r * 16, src + r * ldw, 64);
+        }
+      }
+  }
+}
+
+void pack_a(const GemmOperand& op, int64_t mn0, int64_t count, int64_t k0, int64_t kc, int, float* out, PackNext) {
+  pack_panels<false>(op, mn0, count, k0, kc, out);
+}
+void pack_b(const GemmOperand& op, int64_t mn0, int64_t count, int64_t k0, int64_t kc, int, float* out, PackNext) {
+  pack_panels<true>(op, mn0, count, k0, kc, out);
+}
+
+// ---------------------------------------------------------------- microkernel
+
+void full_tile(int64_t kc, const uint8_t* a, const uint8_t* b, float* c, int64_t ldc, bool accumulate) {
+  const int64_t stride = ldc * 4, steps = (kc + kStep - 1) / kStep;
+  if (accumulate) {
+    _tile_loadd(0, c, stride);
+    _tile_loadd(1, c + 16, stride);
+    _tile_loadd(2, c + 16 * ldc, stride);
+    _tile_loadd(3, c + 16 * ldc + 16, stride);
+  } else {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t s = 0; s < steps; ++s) {
+    const uint8_t* as = a + s * 2 * kTileBytes;
+    const uint8_t* bs = b + s * 2 * kTileBytes;
+    _tile_loadd(4, as, 64);
+    _tile_loadd(6, bs, 64);
+    _tile_loadd(5, as + kTileBytes, 64);
+    _tile_loadd(7, bs + kTileBytes, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, c, stride);
+  _tile_stored(1, c + 16, stride);
+  _tile_stored(2, c + 16 * ldc, stride);
+  _tile_stored(3, c + 16 * ldc + 16, stride);
+}
+
+void tile(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, int rows, int cols, bool accumulate) {
+  configure();
+  const auto* pa = reinterpret_cast<const uint8_t*>(a);
+  const auto* pb = reinterpret_cast<const uint8_t*>(b);
+  if (rows == kMr && cols == kNr) return full_tile(kc, pa, pb, c, ldc, accumulate);
+  // Partial tile: the full one on a scratch copy (padded panel rows and columns are zero).
+  alignas(64) float scratch[kMr * kNr];
+  if (accumulate)
+    for (int i = 0; i < rows; ++i) std::memcpy(scratch + i * kNr, c + i * ldc, static_cast<size_t>(cols) * 4);
+  full_tile(kc, pa, pb, scratch, kNr, accumulate);
+  for (int i = 0; i < rows; ++i) std::memcpy(c + i * ldc, scratch + i * kNr, static_cast<size_t>(cols) * 4);
+}
+
+bool accepts(const GemmOperand& a, const GemmOperand& b) {
+  return a.dtype == DType::bf16 && b.dtype == DType::bf16 && !a.sf && !b.sf;
+}
+
+}  // namespace
+
+const GemmKernels& gemm_kernels_amx() {
+  static const GemmKernels k = [] {
+    GemmKernels t = gemm_kernels_avx512();  // small M (memory-bound streaming) stays FMA
+    t.mr = kMr;
+    t.nr = kNr;
+    t.kc = kKc;
+    t.pack = &pack_a;
+    t.pack_b = &pack_b;
+    t.tile = &tile;
+    t.panel_floats = &panel_floats;
+    t.accepts = &accepts;
+    return t;
+  }();
+  return k;
+}
+
+}  // namespace moekit::detail
