@@ -531,6 +531,11 @@ TEST(Runtime, CpuFeaturesConsistent) {
     EXPECT_TRUE(f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq);
     EXPECT_TRUE(moekit::isa_supported(Isa::avx2));
   }
+  EXPECT_TRUE(!f.amx_bf16 || f.os_saves_tiles);
+  if (moekit::isa_supported(Isa::amx)) {
+    EXPECT_TRUE(f.amx_bf16 && moekit::amx_permitted());
+    EXPECT_TRUE(moekit::isa_supported(Isa::avx512));
+  }
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
   // Independent cross-check: the compiler runtime's own detection (which also checks
   // that the OS saves the wider registers).
@@ -545,13 +550,14 @@ TEST(Runtime, IsaSupportAndNames) {
   EXPECT_TRUE(moekit::isa_supported(Isa::scalar));
   EXPECT_TRUE(moekit::isa_supported(moekit::best_supported_isa()));
   // best is the highest supported level.
-  for (Isa isa : {Isa::scalar, Isa::avx2, Isa::avx512})
+  for (Isa isa : {Isa::scalar, Isa::avx2, Isa::avx512, Isa::amx})
     if (moekit::isa_supported(isa)) {
       EXPECT_GE(static_cast<int>(moekit::best_supported_isa()), static_cast<int>(isa));
     }
   EXPECT_TRUE(moekit::isa_supported(moekit::active_isa()));
-  for (Isa isa : {Isa::scalar, Isa::avx2, Isa::avx512}) EXPECT_EQ(moekit::parse_isa(moekit::isa_name(isa)), isa);
+  for (Isa isa : {Isa::scalar, Isa::avx2, Isa::avx512, Isa::amx}) EXPECT_EQ(moekit::parse_isa(moekit::isa_name(isa)), isa);
   EXPECT_STREQ(moekit::isa_name(Isa::avx512), "avx512");
+  EXPECT_STREQ(moekit::isa_name(Isa::amx), "amx");
   EXPECT_MOEKIT_ERROR_ARG(moekit::parse_isa("neon"), "name");
   EXPECT_MOEKIT_ERROR_ARG(moekit::parse_isa(""), "name");
   EXPECT_MOEKIT_ERROR_ARG(moekit::parse_isa("AVX2"), "name");
@@ -576,11 +582,15 @@ TEST(Runtime, SetActiveIsaAndScopedIsaRestore) {
 }
 
 TEST(Runtime, SetActiveIsaUnsupportedRaises) {
-  if (moekit::isa_supported(Isa::avx512)) GTEST_SKIP() << "AVX-512 is supported here: no unsupported ISA to test";
+  Isa missing = Isa::scalar;
+  for (Isa isa : {Isa::amx, Isa::avx512, Isa::avx2})
+    if (!moekit::isa_supported(isa)) missing = isa;
+  if (missing == Isa::scalar) GTEST_SKIP() << "every ISA level is supported here: no unsupported one to test";
+  SCOPED_TRACE(moekit::isa_name(missing));
   const Isa original = moekit::active_isa();
-  EXPECT_MOEKIT_ERROR_ARG(moekit::set_active_isa(Isa::avx512), "isa");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::set_active_isa(missing), "isa");
   EXPECT_EQ(moekit::active_isa(), original);  // unchanged by the failed call
-  EXPECT_THROW({ moekit::ScopedIsa s(Isa::avx512); }, moekit::Error);
+  EXPECT_THROW({ moekit::ScopedIsa s(missing); }, moekit::Error);
   EXPECT_EQ(moekit::active_isa(), original);
 }
 

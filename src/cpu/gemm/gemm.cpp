@@ -2,7 +2,7 @@
 // multi-threaded driver around the per-ISA pack + microkernel (gemm_kernels.h).
 //
 // Blocking (BLIS order): for each column block jc (kNc wide) and K block pc (kern.kc deep)
-// the B block is packed once (decoded + scaled to f32); for each row block ic (kMc tall)
+// the B block is packed once (decoded + scaled to f32); for each row block ic (kern.mc tall)
 // the A block is packed; then micro-panels of B (L1) sweep micro-panels of A (L2).
 // Partial sums live in a per-thread f32 buffer of (rows of the item) x kNc, written to D
 // (adding C, rounding to bf16 if asked) when a column block is complete.
@@ -34,7 +34,6 @@ using detail::GemmOperand;
 
 enum class Side : uint8_t { n, t };  // the layout letter of one operand
 
-constexpr int64_t kMc = 96;    // rows of A packed at a time (a multiple of every mr)
   // columns of B packed at a time
 // Columns of B packed at a time: as many as possible up to kNcMax (fewer A re-packs),
 // split evenly, and bounded so one thread's f32 partial sums stay within kAccBytes.
@@ -167,8 +166,8 @@ void sweep(const detail::GemmKernels& kern, const float* pa, const float* pb, in
 }
 
 // Items whose packed panels hold all of K, so that the partial sums of a row block (at most
-// kMc rows) stay in L2 through every K block and go to D at once:
-// - narrow items (at most kMc rows: M = 5..96, or M = 128 split by columns): A is packed
+// kern.mc rows) stay in L2 through every K block and go to D at once:
+// - narrow items (at most kern.mc rows: M = 5..96, or M = 128 split by columns): A is packed
 //   once; each column block of B is packed a micro-panel at a time over all of K, reading
 //   every B row front to back (a K-major weight read in 256-wide slices across thousands of
 //   rows would touch a new page per row);
@@ -186,8 +185,8 @@ constexpr int64_t kAllKBBytes = int64_t{4} << 20;  // packed B per thread, for a
 void run_all_k_item(const detail::GemmKernels& kern, const GemmOperand& a, const GemmOperand& b, const Prepacked& pre,
                     const Output& out, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
   const int64_t k = a.k, rows = m1 - m0, blocks = std::max<int64_t>(1, ceil_div(k, kern.kc));
-  const bool one_row_block = rows <= kMc;
-  const int64_t mc_max = std::min(kMc, rows), mc_pad = ceil_div(mc_max, kern.mr) * kern.mr;
+  const bool one_row_block = rows <= kern.mc;
+  const int64_t mc_max = std::min(kern.mc, rows), mc_pad = ceil_div(mc_max, kern.mr) * kern.mr;
   const int64_t nc_cap = std::max<int64_t>(kern.nr, kAllKBBytes / (4 * blocks * kern.kc) / kern.nr * kern.nr);
   const int64_t nc_max = pre.data ? column_block(mc_max, n1 - n0, kern.nr)
                                   : std::min(column_block(mc_max, n1 - n0, kern.nr), nc_cap);
@@ -217,8 +216,8 @@ void run_all_k_item(const detail::GemmKernels& kern, const GemmOperand& a, const
                     pb + (pc / kern.kc) * b_block + panels_floats(kern, p0 / kern.nr, kc, kern.nr),
                     detail::PackNext::next_k);
       }
-    for (int64_t ic = m0; ic < m1; ic += kMc) {
-      const int64_t mc = std::min(kMc, m1 - ic), panel_stride = mc * kern.nr;
+    for (int64_t ic = m0; ic < m1; ic += kern.mc) {
+      const int64_t mc = std::min(kern.mc, m1 - ic), panel_stride = mc * kern.nr;
       if (!one_row_block) pack_a(ic, mc);
       if (k == 0) std::fill(acc, acc + mc * nc_pad, 0.0f);
       for (int64_t pc = 0; pc < k; pc += kern.kc)
@@ -234,11 +233,11 @@ void run_item(const detail::GemmKernels& kern, const GemmOperand& a, const GemmO
   const int64_t k = a.k;
   const int64_t rows = m1 - m0;
   if (rows <= 0 || n1 <= n0) return;
-  if (rows <= kMc || k <= kShortKBlocks * detail::kGemmKc)
+  if (rows <= kern.mc || k <= kShortKBlocks * detail::kGemmKc)
     return run_all_k_item(kern, a, b, pre, out, m0, m1, n0, n1);
   const int64_t nc_max = column_block(rows, n1 - n0, kern.nr);
   ThreadBuffers& buf = thread_buffers();
-  const int64_t mc_max = std::min<int64_t>(kMc, ceil_div(rows, kern.mr) * kern.mr);
+  const int64_t mc_max = std::min<int64_t>(kern.mc, ceil_div(rows, kern.mr) * kern.mr);
   float* pa = buf.a.get(static_cast<size_t>(panels_floats(kern, ceil_div(mc_max, kern.mr), kern.kc, kern.mr)));
   float* pb = pre.data ? nullptr : buf.b.get(static_cast<size_t>(panels_floats(kern, ceil_div(nc_max, kern.nr), kern.kc, kern.nr)));
   const int64_t panel_stride = rows * kern.nr;
@@ -251,8 +250,8 @@ void run_item(const detail::GemmKernels& kern, const GemmOperand& a, const GemmO
       const float* bp = pb;
       if (pre.data) bp = pre.at(kern, jc, pc, kc);
       else kern.pack_b(b, jc, nc, pc, kc, kern.nr, pb, detail::PackNext::next_rows);
-      for (int64_t ic = m0; ic < m1; ic += kMc) {
-        const int64_t mc = std::min(kMc, m1 - ic);
+      for (int64_t ic = m0; ic < m1; ic += kern.mc) {
+        const int64_t mc = std::min(kern.mc, m1 - ic);
         kern.pack(a, ic, mc, pc, kc, kern.mr, pa, detail::PackNext::next_rows);
         sweep(kern, pa, bp, mc, nc, kc, acc + (ic - m0) * kern.nr, panel_stride, pc > 0);
       }
@@ -438,19 +437,13 @@ struct PackedWeightsAccess {
 
 namespace {
 
-// An A operand of the kind these weights are meant for (bf16 weights: bf16 activations;
-// scaled ones: scaled activations), to pick the kernels at packing time.
-GemmOperand activation_like(const GemmOperand& b) {
-  GemmOperand a = b;
-  a.k_major = true;
-  return a;
-}
-
 // B packed panel by panel (panels are independent, so any thread split gives the same
-// bytes), every panel over all of K, by the active ISA's pack (or avx512's where the AMX
-// kernels do not take such operands): the same bytes the driver would pack for any block.
+// bytes), every panel over all of K, by the active ISA's pack: the same bytes the driver
+// would pack for any block. Under amx, only bf16 weights take AMX panels: scaled weights
+// may meet activations whose f32 scales the AMX kernels do not take, so they keep the
+// avx512 panels, which take every activation.
 PackedWeights pack_weights(const GemmOperand& b) {
-  const Isa isa = detail::gemm_isa_for(active_isa(), activation_like(b), b);
+  const Isa isa = active_isa() == Isa::amx && b.sf ? Isa::avx512 : detail::gemm_isa_for(active_isa(), b, b);
   const detail::GemmKernels& kern = detail::gemm_kernels(isa);
   const int64_t n_pad = ceil_div(b.mn, kern.nr) * kern.nr, panels = n_pad / kern.nr;
   const int64_t blocks = b.k / kern.kc, tail = b.k % kern.kc;

@@ -38,7 +38,8 @@ inline constexpr int64_t kGemmKc = 256;
 
 struct GemmKernels {
   int mr = 0, nr = 0;  // register tile
-  int64_t kc = kGemmKc;  // K block (≤ kGemmKc)
+  int64_t kc = kGemmKc;  // K block (≤ kGemmKc on the FMA targets)
+  int64_t mc = 96;       // rows of A packed at a time (a multiple of mr)
   // Packs operand rows [mn0, mn0 + count) x columns [k0, k0 + kc) as f32 micro-panels of
   // `width` rows: panel p holds, for each kk, `width` consecutive values (zero-padded past
   // count). Values are decoded and multiplied by their scale. `next` says what the caller
