@@ -341,18 +341,25 @@ TEST(Gemm, BlockedDriversMatchOracle) {
 // drivers must give the same bits.
 TEST(Gemm, BitIdenticalAcrossThreadCounts) {
   ThreadGuard guard;
-  for (auto [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{200, 1100, 600}, {230, 300, 1800}, {150, 16, 1800}, {3, 700, 1000}}) {
+  // (250 x 100 x 4500: three K blocks of the AMX kernels, which take 2048 at a time.)
+  for (auto [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{200, 1100, 600}, {230, 300, 1800}, {150, 16, 1800}, {3, 700, 1000},
+                         {250, 100, 4500}}) {
     const Tensor xa = random_bf16(m, k, 7), xb = random_bf16(n, k, 8);
     const Quantized qa = per_token_cast_to_fp8(xa, false), qb = per_block_cast_to_fp8(xb, false);
+    // Power-of-two scales: the AMX kernels take these (f32 scales run the FMA kernels).
+    const Quantized qa2 = per_token_cast_to_fp8(xa, true), qb2 = per_block_cast_to_fp8(xb, true);
     std::vector<std::vector<float>> results;
     for (int threads : {1, 2, 3}) {
       set_num_threads(threads);
       Tensor d = Tensor::empty({m, n}, DType::f32), d8 = Tensor::empty({m, n}, DType::f32);
+      Tensor d2 = Tensor::empty({m, n}, DType::f32);
       bf16_gemm_nt(xa, xb, d);
       fp8_gemm_nt(qa, qb, d8);
-      std::vector<float> r(static_cast<size_t>(2 * m * n));
+      fp8_gemm_nt(qa2, qb2, d2);
+      std::vector<float> r(static_cast<size_t>(3 * m * n));
       std::memcpy(r.data(), d.data(), static_cast<size_t>(m * n) * 4);
       std::memcpy(r.data() + m * n, d8.data(), static_cast<size_t>(m * n) * 4);
+      std::memcpy(r.data() + 2 * m * n, d2.data(), static_cast<size_t>(m * n) * 4);
       results.push_back(r);
     }
     for (size_t i = 1; i < results.size(); ++i)
@@ -584,6 +591,39 @@ TEST(GemmPacked, Bf16ActivationsWithPackedFp8Weights) {
   bf16_gemm_packed(xa, pack_fp8_fp4_weights(qb), d);
   const std::vector<double> want = ref::gemm(Layout::nt, {xa, Tensor(), 1, 128}, {qb.values, qb.sf, 128, 128});
   EXPECT_LE(ref::calc_diff(ref::to_f64(d), want), 1e-6);
+}
+
+// ---------------------------------------------------------------- the AMX path
+
+// What the AMX kernels take and leave: FP8 with f32 scales runs the avx512 kernels (their
+// bits exactly); FP8 with power-of-two scales and bf16 run on the tiles (held to the
+// oracle by every check_case_on_every_isa case); bf16 weights packed for AMX refuse
+// activations with f32 scales, naming `a`.
+TEST(GemmAmx, TakesExactOperandsAndLeavesTheRestToAvx512) {
+  if (!isa_supported(Isa::amx)) GTEST_SKIP() << "no AMX-BF16 (or not granted) on this CPU";
+  const Tensor xa = random_bf16(70, 300, 61), xb = random_bf16(50, 300, 62);
+  const Quantized qa = per_token_cast_to_fp8(xa, false), qb = per_block_cast_to_fp8(xb, false);
+  Tensor on_amx = Tensor::empty({70, 50}, DType::f32), on_avx512 = Tensor::empty({70, 50}, DType::f32);
+  {
+    ScopedIsa amx(Isa::amx);
+    fp8_gemm_nt(qa, qb, on_amx);
+  }
+  {
+    ScopedIsa avx512(Isa::avx512);
+    fp8_gemm_nt(qa, qb, on_avx512);
+  }
+  EXPECT_EQ(0, std::memcmp(on_amx.data(), on_avx512.data(), 70 * 50 * 4));
+  ScopedIsa amx(Isa::amx);
+  const PackedWeights w = pack_bf16_weights(xb);
+  EXPECT_EQ(w.isa(), Isa::amx);
+  Tensor d = Tensor::empty({70, 50}, DType::f32);
+  EXPECT_MOEKIT_ERROR_ARG(fp8_fp4_gemm_packed(qa, w, d), "a");
+  const Quantized qa2 = per_token_cast_to_fp8(xa, true);  // power-of-two scales: taken
+  fp8_fp4_gemm_packed(qa2, w, d);
+  const std::vector<double> want = ref::gemm(Layout::nt, {qa2.values, qa2.sf, 1, 128}, {xb, Tensor(), 1, 128});
+  EXPECT_LE(ref::calc_diff(ref::to_f64(d), want), 1e-5);
+  // FP8 weights keep the avx512 panels under amx (they must take any activations).
+  EXPECT_EQ(pack_fp8_fp4_weights(qb).isa(), Isa::avx512);
 }
 
 TEST(GemmPacked, BadInputRaisesNamedErrors) {
