@@ -8,7 +8,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <optional>
 #include <random>
 #include <string>
 #include <tuple>
@@ -527,13 +526,7 @@ TEST(GemmPacked, BitIdenticalToUnpackedCall) {
                                {5, 2100, 300}, {8, 9000, 260}}) {
           Case cs{layout, pair.a, pair.b, m, n, k, (seed & 1) ? DType::bf16 : DType::f32,
                   (seed % 3 == 0) ? CMode::in_place : (seed % 3 == 1) ? CMode::separate : CMode::none, (seed & 2) != 0};
-          // (Under amx, FP8/FP4 weights are packed for the avx512 kernels, which take
-          // activations with any scales: their results are the avx512 bits.)
-          const bool avx512_panels = active_isa() == Isa::amx && pair.b != Fmt::bf16;
-          std::optional<ScopedIsa> as_packed;
-          if (avx512_panels) as_packed.emplace(Isa::avx512);
           const std::vector<double> unpacked = run_case(cs, seed).got;
-          as_packed.reset();
           cs.packed = true;
           const std::vector<double> packed = check_case(cs, seed);  // also against the oracle
           EXPECT_EQ(0, std::memcmp(unpacked.data(), packed.data(), packed.size() * sizeof(double))) << cs.str();
@@ -547,22 +540,31 @@ TEST(GemmPacked, BitIdenticalToUnpackedCall) {
 TEST(GemmPacked, PackedUnderEveryIsa) {
   const Tensor xa = random_bf16(40, 300, 71), xb = random_bf16(50, 300, 72);
   const Quantized qa = per_token_cast_to_fp8(xa, false), qb = per_block_cast_to_fp8(xb, false);
-  Tensor want = Tensor::empty({40, 50}, DType::f32);
-  fp8_gemm_nt(qa, qb, want);
-  for_each_isa([&](Isa isa) {
+  // The unpacked call's bits under the packing ISA (the FMA paths all give the same).
+  auto unpacked_under = [&](Isa isa) {
+    ScopedIsa scoped(isa);
+    Tensor want = Tensor::empty({40, 50}, DType::f32);
+    fp8_gemm_nt(qa, qb, want);
+    return want;
+  };
+  const std::vector<Isa> isas = moekit::testing::gemm_isas();
+  for (Isa isa : isas) {
+    SCOPED_TRACE(std::string("packed under ") + isa_name(isa));
+    const Tensor want = unpacked_under(isa);
+    ScopedIsa pack_under(isa);
     const PackedWeights w = pack_fp8_fp4_weights(qb);
     EXPECT_EQ(w.isa(), isa);
     EXPECT_EQ(w.n(), 50);
     EXPECT_EQ(w.k(), 300);
     EXPECT_EQ(w.source_dtype(), DType::e4m3);
-    EXPECT_GE(w.bytes(), 50 * 300 * 4);
-    for (Isa other : moekit::testing::supported_isas()) {
+    EXPECT_GE(w.bytes(), 50 * 300 * (isa == Isa::amx ? 2 : 4));
+    for (Isa other : isas) {
       ScopedIsa run_under(other);
       Tensor d = Tensor::empty({40, 50}, DType::f32);
       fp8_fp4_gemm_packed(qa, w, d);
       EXPECT_EQ(0, std::memcmp(want.data(), d.data(), 40 * 50 * 4)) << "run under " << isa_name(other);
     }
-  });
+  }
 }
 
 // M <= 4 (where the unpacked call streams B instead) and edge extents, against the oracle.
@@ -595,35 +597,40 @@ TEST(GemmPacked, Bf16ActivationsWithPackedFp8Weights) {
 
 // ---------------------------------------------------------------- the AMX path
 
-// What the AMX kernels take and leave: FP8 with f32 scales runs the avx512 kernels (their
-// bits exactly); FP8 with power-of-two scales and bf16 run on the tiles (held to the
-// oracle by every check_case_on_every_isa case); bf16 weights packed for AMX refuse
-// activations with f32 scales, naming `a`.
-TEST(GemmAmx, TakesExactOperandsAndLeavesTheRestToAvx512) {
+// What the AMX kernels take and leave. FP8 with f32 scales runs on the tiles with the scales
+// promoted per K group; scale groups that are not 32 · 2^j (here 96) run the avx512 kernels
+// and give their bits; bf16 weights packed for AMX take FP8 activations of either kind but
+// refuse ones whose groups the tiles cannot promote, naming `a`. (Every
+// check_case_on_every_isa case holds the AMX results to the oracle.)
+TEST(GemmAmx, TakesWhatItCanPromoteAndLeavesTheRestToAvx512) {
   if (!isa_supported(Isa::amx)) GTEST_SKIP() << "no AMX-BF16 (or not granted) on this CPU";
   const Tensor xa = random_bf16(70, 300, 61), xb = random_bf16(50, 300, 62);
-  const Quantized qa = per_token_cast_to_fp8(xa, false), qb = per_block_cast_to_fp8(xb, false);
+  const Quantized qa96 = per_token_cast_to_fp8(xa, false, 96), qb96 = per_token_cast_to_fp8(xb, false, 96);
+  GemmOptions o96;
+  o96.recipe = Recipe{1, 1, 96};
   Tensor on_amx = Tensor::empty({70, 50}, DType::f32), on_avx512 = Tensor::empty({70, 50}, DType::f32);
   {
     ScopedIsa amx(Isa::amx);
-    fp8_gemm_nt(qa, qb, on_amx);
+    fp8_gemm_nt(qa96, qb96, on_amx, Tensor(), o96);
   }
   {
     ScopedIsa avx512(Isa::avx512);
-    fp8_gemm_nt(qa, qb, on_avx512);
+    fp8_gemm_nt(qa96, qb96, on_avx512, Tensor(), o96);
   }
   EXPECT_EQ(0, std::memcmp(on_amx.data(), on_avx512.data(), 70 * 50 * 4));
   ScopedIsa amx(Isa::amx);
   const PackedWeights w = pack_bf16_weights(xb);
   EXPECT_EQ(w.isa(), Isa::amx);
   Tensor d = Tensor::empty({70, 50}, DType::f32);
-  EXPECT_MOEKIT_ERROR_ARG(fp8_fp4_gemm_packed(qa, w, d), "a");
-  const Quantized qa2 = per_token_cast_to_fp8(xa, true);  // power-of-two scales: taken
-  fp8_fp4_gemm_packed(qa2, w, d);
-  const std::vector<double> want = ref::gemm(Layout::nt, {qa2.values, qa2.sf, 1, 128}, {xb, Tensor(), 1, 128});
-  EXPECT_LE(ref::calc_diff(ref::to_f64(d), want), 1e-5);
-  // FP8 weights keep the avx512 panels under amx (they must take any activations).
-  EXPECT_EQ(pack_fp8_fp4_weights(qb).isa(), Isa::avx512);
+  EXPECT_MOEKIT_ERROR_ARG(fp8_fp4_gemm_packed(qa96, w, d, Tensor(), o96), "a");
+  for (bool ue8m0 : {false, true}) {
+    const Quantized qa = per_token_cast_to_fp8(xa, ue8m0);
+    fp8_fp4_gemm_packed(qa, w, d);
+    const std::vector<double> want = ref::gemm(Layout::nt, {qa.values, qa.sf, 1, 128}, {xb, Tensor(), 1, 128});
+    EXPECT_LE(ref::calc_diff(ref::to_f64(d), want), 1e-5) << "ue8m0 " << ue8m0;
+  }
+  EXPECT_EQ(pack_fp8_fp4_weights(per_block_cast_to_fp8(xb, false)).isa(), Isa::amx);
+  EXPECT_EQ(pack_fp8_fp4_weights(qb96, true, o96).isa(), Isa::avx512);
 }
 
 TEST(GemmPacked, BadInputRaisesNamedErrors) {

@@ -74,7 +74,7 @@ inline void fp8_gemm_tt(const Quantized& a, const Quantized& b, const Tensor& d,
 // Inference multiplies the same weights by new activations on every call. The blocked CPU
 // GEMM decodes B (bf16 / e4m3 / e2m1 to f32), applies its scales and lays it out in the
 // kernel's micro-panel order on every call; at medium M that is a large part of the time
-// (docs/GEMM.md). Packing once removes it, at 4 bytes per weight.
+// (docs/GEMM.md). Packing once removes it, at 4 bytes per weight (2 for AMX panels).
 //
 // pack_*_weights take B as the nt / nn calls do: k_major = true for B [N, K] (DeepGEMM's
 // 't'), false for B [K, N] ('n'). FP8/FP4 scales as in fp8_fp4_gemm_*, with B's recipe
@@ -82,7 +82,10 @@ inline void fp8_gemm_tt(const Quantized& a, const Quantized& b, const Tensor& d,
 // ((1, 128, 128) for e4m3, (1, 1, 32) for e2m1). FP4 extents are 2 x the stored columns
 // (the unpacked calls can resolve an odd extent from the other operand; packing cannot).
 // The packed form belongs to the ISA active when it was made, whose kernels then run the
-// calls (so it stays valid if the active ISA changes). Results are bit-identical to the
+// calls (so it stays valid if the active ISA changes). Under Isa::amx, bf16 weights are
+// packed for the AMX kernels (bf16 panels, 2 bytes per weight; activations with f32 scales
+// are then refused, naming `a`), and FP8/FP4 weights for the avx512 ones (their results are
+// the avx512 bits), because those must take activations with any scales. Results are bit-identical to the
 // unpacked call whenever that one packs B as well (M > 4, or B not K-major), for any
 // thread count and ISA; at M <= 4 the unpacked call streams B instead (the faster choice
 // for decoding from DRAM), so the two may round differently there.
@@ -98,7 +101,7 @@ class PackedWeights {
 
  private:
   friend struct PackedWeightsAccess;
-  Tensor panels_;  // f32 [K block][panel of nr columns][kc][nr]; layout owned by gemm.cpp
+  Tensor panels_;  // [K block][panel of nr columns][panel]: f32 (or AMX bf16); layout owned by gemm.cpp
   int64_t n_ = 0, k_ = 0;
   DType dtype_ = DType::bf16;
   Isa isa_ = Isa::scalar;

@@ -213,14 +213,14 @@ void bench_gemm(const BenchOptions& o) {
 
         // Pre-packed weights (moekit's CPU extension, docs/GEMM.md) at medium M, where packing
         // B is a large part of the call, timed alternately against the unpacked call. The
-        // packed form is f32 (4 bytes per weight): memory-bound rows count those bytes and
-        // cycle through enough packed copies to stream them from DRAM.
+        // packed form is f32 (4 bytes per weight; AMX panels: bf16, 2): memory-bound rows
+        // count its bytes and cycle through enough packed copies to stream them from DRAM.
         if (m > 4 && m <= 256) {
-          const double p_bytes = static_cast<double>(n * k) * 4.0;
-          const int p_copies = m <= 16 ? static_cast<int>(std::clamp(std::ceil(working_set / p_bytes), 1.0, 1024.0)) : 1;
           auto pack = [&] { return kind == Kind::bf16 ? pack_bf16_weights(xb) : pack_fp8_fp4_weights({qb.values, qb.sf}); };
           std::vector<PackedWeights> packed;
           const Timing pack_time = time_it([&] { packed.push_back(pack()); }, 1, 0);  // once: the one-off cost
+          const double p_bytes = static_cast<double>(packed[0].bytes());
+          const int p_copies = m <= 16 ? static_cast<int>(std::clamp(std::ceil(working_set / p_bytes), 1.0, 1024.0)) : 1;
           while (static_cast<int>(packed.size()) < p_copies) packed.push_back(pack());
           int p_turn = 0;
           auto run_packed = [&] {

@@ -280,11 +280,10 @@ void run_small_m(const detail::GemmKernels& kern, const GemmOperand& a, const Ge
 }
 
 // pre: B's pre-packed panels (then b only gives its extents), made by the kernels of `isa`.
-void run_gemm(const GemmOperand& a, const GemmOperand& b, const Output& out, const Prepacked& pre = {},
-              Isa isa = active_isa()) {
+void run_gemm(GemmOperand a, GemmOperand b, const Output& out, const Prepacked& pre = {}, Isa isa = active_isa()) {
   const int64_t m = a.mn, n = b.mn, k = a.k;
   if (m == 0 || n == 0) return;
-  const detail::GemmKernels& kern = detail::gemm_kernels_for(isa, a, b);
+  const detail::GemmKernels& kern = detail::gemm_kernels(detail::gemm_prepare(isa, a, b));
   // (B groups must be whole lanes: the per-group sums of the small-M path are 8 lanes wide.)
   if (!pre.data && m <= detail::kGemmSmallM && a.k_major && b.k_major && k > 0 && (!b.sf || b.gran_k % 8 == 0)) {
     const double bytes = static_cast<double>(n) * static_cast<double>(k);
@@ -438,12 +437,11 @@ struct PackedWeightsAccess {
 namespace {
 
 // B packed panel by panel (panels are independent, so any thread split gives the same
-// bytes), every panel over all of K, by the active ISA's pack: the same bytes the driver
-// would pack for any block. Under amx, only bf16 weights take AMX panels: scaled weights
-// may meet activations whose f32 scales the AMX kernels do not take, so they keep the
-// avx512 panels, which take every activation.
-PackedWeights pack_weights(const GemmOperand& b) {
-  const Isa isa = active_isa() == Isa::amx && b.sf ? Isa::avx512 : detail::gemm_isa_for(active_isa(), b, b);
+// bytes), every panel over all of K, by the active ISA's pack (avx512's where the AMX
+// kernels do not take B): the same bytes the driver would pack for any block.
+PackedWeights pack_weights(GemmOperand b) {
+  GemmOperand like_b = b;  // (the target decides per operand)
+  const Isa isa = detail::gemm_prepare(active_isa(), like_b, b);
   const detail::GemmKernels& kern = detail::gemm_kernels(isa);
   const int64_t n_pad = ceil_div(b.mn, kern.nr) * kern.nr, panels = n_pad / kern.nr;
   const int64_t blocks = b.k / kern.kc, tail = b.k % kern.kc;
@@ -470,9 +468,11 @@ void run_packed(const char* fn, const GemmOperand& a, const PackedWeights& b, co
   gb.dtype = b.source_dtype();
   gb.mn = b.n();
   gb.k = b.k();
-  if (detail::gemm_isa_for(b.isa(), a, gb) != b.isa())
-    fail(fn, "a", std::string("activations the ") + isa_name(b.isa()) + " kernels that packed b take (bf16)",
-         std::string(dtype_name(a.dtype)) + " with scales; pack b under MOEKIT_ISA=avx512 for scaled activations");
+  GemmOperand a_check = a, b_check = gb;
+  if (detail::gemm_prepare(b.isa(), a_check, b_check) != b.isa())
+    fail(fn, "a", std::string("activations the ") + isa_name(b.isa()) + " kernels that packed b take",
+         std::string(dtype_name(a.dtype)) + " with scale groups of " + std::to_string(a.gran_k) +
+             " (amx: a power of two from 32 to 2048, or power-of-two scales)");
   const int64_t nr = detail::gemm_kernels(b.isa()).nr;
   run_gemm(a, gb, describe_output(fn, d, c, a.mn, b.n()), Prepacked{PackedWeightsAccess::data(b), ceil_div(b.n(), nr) * nr},
            b.isa());

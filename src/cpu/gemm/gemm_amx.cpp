@@ -14,13 +14,18 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <bit>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
+#include "cpu/formats/format_kernels.h"
 #include "gemm_kernels.h"
 
 namespace moekit::detail {
 namespace {
+
+#include "gemm_decode.inc"
 
 constexpr int kMr = 32, kNr = 32;
 constexpr int kStep = 32;            // K per tdpbf16ps (16 pairs)
@@ -55,36 +60,94 @@ void configure() {
 }
 
 // ---------------------------------------------------------------- packing
-// Both panels store K in 32-deep steps, zero-padded. Step s of a panel is 2 KiB: two tiles
-// of 1 KiB, for rows (or columns) 0-15 and 16-31.
+// A panel (of either operand) is a 64-byte header, then K in 32-deep steps, zero-padded,
+// 2 KiB per step: two tiles of 1 KiB, for rows (or columns) 0-15 and 16-31, then the scales
+// of a promoted operand: 32 f32 per K group of the block.
 //  - A panel: tile row r = operand row r, 32 bf16 along K.
 //  - B panel: tile row p = K pair p of the step, 16 columns x (k = 2p, 2p + 1) bf16 pairs.
 // Both start from "words": the operand's rows as 32-bit bf16 pairs along K.
 
-int64_t panel_floats(int64_t kc, int width) { return (kc + kStep - 1) / kStep * kStep * width / 2; }
+struct alignas(64) PanelHeader {
+  uint32_t promoted;     // 0: values carry their scales; 1: raw values, scales after the steps
+  uint32_t group_steps;  // K group / 32, when promoted
+  uint32_t pad[14];
+};
+static_assert(sizeof(PanelHeader) == 64);
 
-// Operand rows [i0, i0 + rows) x K [k0, k0 + kc) as words: out[r * ldw + p] holds elements
-// (k0 + 2p, k0 + 2p + 1) of row i0 + r (low half first), zero past the operand and up to
-// ldw words.
+constexpr int64_t kHeaderFloats = 16;
+
+int64_t step_count(int64_t kc) { return (kc + kStep - 1) / kStep; }
+int64_t panel_floats(int64_t kc, int width) {
+  // header + bf16 steps + room for a scale per row and step (groups are at least a step)
+  return kHeaderFloats + step_count(kc) * (kStep * width / 2 + width);
+}
+const uint8_t* panel_steps(const float* panel) { return reinterpret_cast<const uint8_t*>(panel + kHeaderFloats); }
+float* panel_scales(float* panel, int64_t kc) { return panel + kHeaderFloats + step_count(kc) * kStep * kMr / 2; }
+
+// Operand rows [i0, i0 + rows) x K [k0, k0 + kc) of a bf16 operand as words: out[r * ldw + p]
+// holds elements (k0 + 2p, k0 + 2p + 1) of row i0 + r (low half first), zero past the
+// operand and up to ldw words.
 void load_words(const GemmOperand& op, int64_t i0, int rows, int64_t k0, int64_t kc, uint32_t* out, int64_t ldw) {
   const int64_t es = 2;
-  for (int r = rows; r < kMr; ++r) std::memset(out + r * ldw, 0, static_cast<size_t>(ldw) * 4);
+  for (int r = 0; r < kMr; ++r) std::memset(out + r * ldw, 0, static_cast<size_t>(ldw) * 4);
   if (op.k_major) {
-    for (int r = 0; r < rows; ++r) {
-      uint32_t* dst = out + r * ldw;
-      std::memcpy(dst, op.data + ((i0 + r) * op.ld + k0) * es, static_cast<size_t>(kc) * 2);
-      std::memset(reinterpret_cast<uint16_t*>(dst) + kc, 0, static_cast<size_t>(2 * ldw - kc) * 2);
-    }
+    for (int r = 0; r < rows; ++r) std::memcpy(out + r * ldw, op.data + ((i0 + r) * op.ld + k0) * es, static_cast<size_t>(kc) * 2);
     return;
   }
   // MN-major: stored row k holds the rows side by side; interleave K rows two at a time.
-  for (int r = 0; r < rows; ++r) std::memset(out + r * ldw, 0, static_cast<size_t>(ldw) * 4);
   for (int64_t kk = 0; kk < kc; kk += 2) {
     const uint16_t* lo = reinterpret_cast<const uint16_t*>(op.data + ((k0 + kk) * op.ld + i0) * es);
     const uint16_t* hi =
         kk + 1 < kc ? reinterpret_cast<const uint16_t*>(op.data + ((k0 + kk + 1) * op.ld + i0) * es) : nullptr;
     for (int r = 0; r < rows; ++r)
       out[r * ldw + kk / 2] = lo[r] | (hi ? static_cast<uint32_t>(hi[r]) << 16 : 0u);
+  }
+}
+
+// The high halves of n f32 values (n a multiple of 32) as bf16: exact for the values the
+// target takes (at most 8 significant bits; accepts()), NaN stays NaN.
+void high_halves(const float* src, int64_t n, uint16_t* dst) {
+  static const __m512i odd = [] {
+    alignas(64) uint16_t idx[32];
+    for (int i = 0; i < 32; ++i) idx[i] = static_cast<uint16_t>(2 * i + 1);
+    return _mm512_load_si512(idx);
+  }();
+  for (int64_t t = 0; t < n; t += 32) {
+    const __m512i lo = _mm512_castps_si512(_mm512_loadu_ps(src + t)), hi = _mm512_castps_si512(_mm512_loadu_ps(src + t + 16));
+    _mm512_storeu_si512(dst + t, _mm512_permutex2var_epi16(lo, odd, hi));
+  }
+}
+
+// Where the operand is not plain bf16 (FP8/FP4, scaled values), the avx512 decoders give f32
+// (exact tables; scaled unless the operand is promoted, whose raw values are packed) and the
+// high halves are taken. K-major rows decode row by row; MN-major operands through the
+// avx512 pack's f32 micro-panels (panel[kk * 32 + r]), at most kGemmKc deep at a time.
+void decode_words(const GemmOperand& src, int64_t i0, int rows, int64_t k0, int64_t kc, uint32_t* out, int64_t ldw) {
+  GemmOperand op = src;
+  if (op.promote) op.sf = nullptr;  // raw values; the scales go beside them
+  const GemmKernels& f32 = gemm_kernels_avx512();
+  for (int r = 0; r < kMr; ++r) std::memset(out + r * ldw, 0, static_cast<size_t>(ldw) * 4);
+  if (op.k_major) {
+    alignas(64) static thread_local float row[kKc + kStep];
+    const int64_t padded = step_count(kc) * kStep;
+    for (int r = 0; r < rows; ++r) {
+      f32.decode_row(op, i0 + r, k0, kc, row);
+      std::memset(row + kc, 0, static_cast<size_t>(padded - kc) * sizeof(float));
+      high_halves(row, padded, reinterpret_cast<uint16_t*>(out + r * ldw));
+    }
+    return;
+  }
+  alignas(64) static thread_local float panel[kGemmKc * kMr];
+  for (int64_t c0 = 0; c0 < kc; c0 += kGemmKc) {
+    const int64_t len = std::min(kGemmKc, kc - c0);
+    f32.pack(op, i0, rows, k0 + c0, len, kMr, panel, PackNext::next_rows);
+    if (len % 2) std::memset(panel + len * kMr, 0, kMr * sizeof(float));
+    for (int64_t p = 0; p < (len + 1) / 2; ++p) {
+      alignas(64) uint16_t pair_rows[2 * kMr];  // kk = 2p, then 2p + 1
+      high_halves(panel + 2 * p * kMr, 2 * kMr, pair_rows);
+      for (int r = 0; r < rows; ++r)
+        out[r * ldw + c0 / 2 + p] = pair_rows[r] | static_cast<uint32_t>(pair_rows[kMr + r]) << 16;
+    }
   }
 }
 
@@ -113,46 +176,38 @@ void transpose16(const uint32_t* src, int64_t lds, uint32_t* dst) {
   }
 }
 
-// Where the operand is not plain bf16 (FP8/FP4, scales), the avx512 pack decodes and scales
-// it into f32 micro-panels (panel[kk * 32 + r]), at most kGemmKc deep at a time; the values
-// are exact in bf16 (accepts()), so the high halves are taken as they are. The result is
-// the same words as load_words would give: row r, K pair p.
-void decode_words(const GemmOperand& op, int64_t i0, int rows, int64_t k0, int64_t kc, uint32_t* out, int64_t ldw) {
-  alignas(64) static thread_local float panel[kGemmKc * kMr];
-  const GemmKernels& f32 = gemm_kernels_avx512();
-  for (int r = 0; r < kMr; ++r) std::memset(out + r * ldw, 0, static_cast<size_t>(ldw) * 4);
-  for (int64_t c0 = 0; c0 < kc; c0 += kGemmKc) {
-    const int64_t len = std::min(kGemmKc, kc - c0);
-    f32.pack(op, i0, rows, k0 + c0, len, kMr, panel, PackNext::next_rows);
-    if (len % 2) std::memset(panel + len * kMr, 0, kMr * sizeof(float));
-    for (int64_t p = 0; p < (len + 1) / 2; ++p) {
-      const __m512i lo0 = _mm512_srli_epi32(_mm512_castps_si512(_mm512_load_ps(panel + 2 * p * kMr)), 16);
-      const __m512i lo1 = _mm512_srli_epi32(_mm512_castps_si512(_mm512_load_ps(panel + 2 * p * kMr + 16)), 16);
-      const __m512i mask = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
-      const __m512i hi0 = _mm512_and_si512(_mm512_castps_si512(_mm512_load_ps(panel + (2 * p + 1) * kMr)), mask);
-      const __m512i hi1 = _mm512_and_si512(_mm512_castps_si512(_mm512_load_ps(panel + (2 * p + 1) * kMr + 16)), mask);
-      alignas(64) uint32_t pair[kMr];
-      _mm512_store_si512(pair, _mm512_or_si512(lo0, hi0));
-      _mm512_store_si512(pair + 16, _mm512_or_si512(lo1, hi1));
-      for (int r = 0; r < rows; ++r) out[r * ldw + c0 / 2 + p] = pair[r];
-    }
+bool plain_bf16(const GemmOperand& op) { return op.dtype == DType::bf16 && !op.sf; }
+
+// The scales of a promoted panel: scales[g * 32 + r] for the K groups g of block [k0, k0 + kc)
+// (the block starts on a group boundary: kKc is a multiple of every promoted group).
+void pack_scales(const GemmOperand& op, int64_t i0, int rows, int64_t k0, int64_t kc, float* scales) {
+  const int64_t g0 = k0 / op.gran_k, groups = (kc + op.gran_k - 1) / op.gran_k;
+  for (int r = 0; r < kMr; ++r) {
+    const void* sf_row = r < rows ? scale_row(op, i0 + r) : nullptr;
+    for (int64_t g = 0; g < groups; ++g) scales[g * kMr + r] = sf_row ? group_scale(op, sf_row, g0 + g) : 0.0f;
   }
 }
-
-bool plain_bf16(const GemmOperand& op) { return op.dtype == DType::bf16 && !op.sf; }
 
 template <bool kB>
 void pack_panels(const GemmOperand& op, int64_t mn0, int64_t count, int64_t k0, int64_t kc, float* out) {
   alignas(64) static thread_local uint32_t words[kMr * kMaxWords];
-  const int64_t steps = (kc + kStep - 1) / kStep, ldw = steps * (kStep / 2);
+  const int64_t steps = step_count(kc), ldw = steps * (kStep / 2);
   for (int64_t p0 = 0; p0 < count; p0 += kMr) {
-    uint8_t* panel = reinterpret_cast<uint8_t*>(out + (p0 / kMr) * panel_floats(kc, kMr));
+    float* panel = out + (p0 / kMr) * panel_floats(kc, kMr);
+    auto* header = reinterpret_cast<PanelHeader*>(panel);
+    *header = PanelHeader{};
     const int rows = static_cast<int>(std::min<int64_t>(kMr, count - p0));
     if (plain_bf16(op)) load_words(op, mn0 + p0, rows, k0, kc, words, ldw);
     else decode_words(op, mn0 + p0, rows, k0, kc, words, ldw);
+    if (op.promote) {
+      header->promoted = 1;
+      header->group_steps = static_cast<uint32_t>(op.gran_k / kStep);
+      pack_scales(op, mn0 + p0, rows, k0, kc, panel_scales(panel, kc));
+    }
+    uint8_t* data = reinterpret_cast<uint8_t*>(panel + kHeaderFloats);
     for (int64_t s = 0; s < steps; ++s)
       for (int h = 0; h < 2; ++h) {
-        uint32_t* tile = reinterpret_cast<uint32_t*>(panel + (2 * s + h) * kTileBytes);
+        uint32_t* tile = reinterpret_cast<uint32_t*>(data + (2 * s + h) * kTileBytes);
         const uint32_t* src = words + h * 16 * ldw + s * 16;
         if constexpr (kB) {
           transpose16(src, ldw, tile);
@@ -172,20 +227,28 @@ void pack_b(const GemmOperand& op, int64_t mn0, int64_t count, int64_t k0, int64
 
 // ---------------------------------------------------------------- microkernel
 
-void full_tile(int64_t kc, const uint8_t* a, const uint8_t* b, float* c, int64_t ldc, bool accumulate) {
-  const int64_t stride = ldc * 4, steps = (kc + kStep - 1) / kStep;
-  if (accumulate) {
-    _tile_loadd(0, c, stride);
-    _tile_loadd(1, c + 16, stride);
-    _tile_loadd(2, c + 16 * ldc, stride);
-    _tile_loadd(3, c + 16 * ldc + 16, stride);
-  } else {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-  }
-  for (int64_t s = 0; s < steps; ++s) {
+inline void load_c(const float* c, int64_t stride) {
+  _tile_loadd(0, c, stride);
+  _tile_loadd(1, c + 16, stride);
+  _tile_loadd(2, c + 16 * (stride / 4), stride);
+  _tile_loadd(3, c + 16 * (stride / 4) + 16, stride);
+}
+inline void store_c(float* c, int64_t stride) {
+  _tile_stored(0, c, stride);
+  _tile_stored(1, c + 16, stride);
+  _tile_stored(2, c + 16 * (stride / 4), stride);
+  _tile_stored(3, c + 16 * (stride / 4) + 16, stride);
+}
+inline void zero_c() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
+
+// C tiles += steps [s0, s1) of the panels.
+inline void run_steps(const uint8_t* a, const uint8_t* b, int64_t s0, int64_t s1) {
+  for (int64_t s = s0; s < s1; ++s) {
     const uint8_t* as = a + s * 2 * kTileBytes;
     const uint8_t* bs = b + s * 2 * kTileBytes;
     _tile_loadd(4, as, 64);
@@ -197,24 +260,65 @@ void full_tile(int64_t kc, const uint8_t* a, const uint8_t* b, float* c, int64_t
     _tile_dpbf16ps(2, 5, 6);
     _tile_dpbf16ps(3, 5, 7);
   }
-  _tile_stored(0, c, stride);
-  _tile_stored(1, c + 16, stride);
-  _tile_stored(2, c + 16 * ldc, stride);
-  _tile_stored(3, c + 16 * ldc + 16, stride);
+}
+
+// Promoted: the tiles sum one K group (the finer of the two operands' groups) at a time
+// from zero; each group's sums go to memory and are promoted in f32 with AVX-512,
+// acc = fma(partial, sa[i] · sb[j], acc) (an operand that is not promoted has scale 1).
+void promoted_tile(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, bool accumulate) {
+  const auto& ha = *reinterpret_cast<const PanelHeader*>(a);
+  const auto& hb = *reinterpret_cast<const PanelHeader*>(b);
+  const int64_t steps = step_count(kc);
+  const int64_t ga = ha.promoted ? ha.group_steps : steps, gb = hb.promoted ? hb.group_steps : steps;
+  const int64_t group = std::min(ga, gb);
+  const float* sa = panel_scales(const_cast<float*>(a), kc);
+  const float* sb = panel_scales(const_cast<float*>(b), kc);
+  alignas(64) float acc[kMr * kNr], part[kMr * kNr];
+  for (int i = 0; i < kMr; ++i)
+    for (int h = 0; h < 2; ++h)
+      _mm512_store_ps(acc + i * kNr + 16 * h, accumulate ? _mm512_loadu_ps(c + i * ldc + 16 * h) : _mm512_setzero_ps());
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (int64_t s0 = 0; s0 < steps; s0 += group) {
+    zero_c();
+    run_steps(panel_steps(a), panel_steps(b), s0, std::min(steps, s0 + group));
+    store_c(part, kNr * 4);
+    const float* sa_g = ha.promoted ? sa + (s0 / ga) * kMr : nullptr;
+    const float* sb_g = hb.promoted ? sb + (s0 / gb) * kNr : nullptr;
+    const __m512 sb0 = sb_g ? _mm512_load_ps(sb_g) : one, sb1 = sb_g ? _mm512_load_ps(sb_g + 16) : one;
+    for (int i = 0; i < kMr; ++i) {
+      const __m512 ai = _mm512_set1_ps(sa_g ? sa_g[i] : 1.0f);
+      float* row = acc + i * kNr;
+      _mm512_store_ps(row, _mm512_fmadd_ps(_mm512_load_ps(part + i * kNr), _mm512_mul_ps(ai, sb0), _mm512_load_ps(row)));
+      _mm512_store_ps(row + 16,
+                      _mm512_fmadd_ps(_mm512_load_ps(part + i * kNr + 16), _mm512_mul_ps(ai, sb1), _mm512_load_ps(row + 16)));
+    }
+  }
+  for (int i = 0; i < kMr; ++i)
+    for (int h = 0; h < 2; ++h) _mm512_storeu_ps(c + i * ldc + 16 * h, _mm512_load_ps(acc + i * kNr + 16 * h));
+}
+
+void full_tile(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, bool accumulate) {
+  if (reinterpret_cast<const PanelHeader*>(a)->promoted || reinterpret_cast<const PanelHeader*>(b)->promoted)
+    return promoted_tile(kc, a, b, c, ldc, accumulate);
+  const int64_t stride = ldc * 4;
+  if (accumulate) load_c(c, stride);
+  else zero_c();
+  run_steps(panel_steps(a), panel_steps(b), 0, step_count(kc));
+  store_c(c, stride);
 }
 
 void tile(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, int rows, int cols, bool accumulate) {
   configure();
-  const auto* pa = reinterpret_cast<const uint8_t*>(a);
-  const auto* pb = reinterpret_cast<const uint8_t*>(b);
-  if (rows == kMr && cols == kNr) return full_tile(kc, pa, pb, c, ldc, accumulate);
+  if (rows == kMr && cols == kNr) return full_tile(kc, a, b, c, ldc, accumulate);
   // Partial tile: the full one on a scratch copy (padded panel rows and columns are zero).
   alignas(64) float scratch[kMr * kNr];
   if (accumulate)
     for (int i = 0; i < rows; ++i) std::memcpy(scratch + i * kNr, c + i * ldc, static_cast<size_t>(cols) * 4);
-  full_tile(kc, pa, pb, scratch, kNr, accumulate);
+  full_tile(kc, a, b, scratch, kNr, accumulate);
   for (int i = 0; i < rows; ++i) std::memcpy(c + i * ldc, scratch + i * kNr, static_cast<size_t>(cols) * 4);
 }
+
+// ---------------------------------------------------------------- what the target takes
 
 // A scale whose products with the decoded values stay exact f32 normals, or that makes
 // them ±0, ±inf or NaN exactly as the FMA path would: mantissa zero and an exponent of at
@@ -226,7 +330,6 @@ bool exact_scale_bits(uint32_t bits) {
 }
 
 bool exact_scales(const GemmOperand& op) {
-  if (!op.sf) return true;
   const int64_t rows = (op.mn + op.gran_mn - 1) / op.gran_mn, groups = (op.k + op.gran_k - 1) / op.gran_k;
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t g = 0; g < groups; ++g) {
@@ -243,11 +346,26 @@ bool exact_scales(const GemmOperand& op) {
   return true;
 }
 
-bool accepts_operand(const GemmOperand& op) {
-  return (op.dtype == DType::bf16 || op.dtype == DType::e4m3 || op.dtype == DType::e2m1x2) && exact_scales(op);
+// bf16, e4m3 or e2m1 values (exact in bf16), with no scales, scales folded exactly (powers
+// of two) or scales promoted per K group (groups of 32 · 2^j up to the K block, so that
+// groups are whole steps and every block starts a group).
+bool prepare_operand(GemmOperand& op) {
+  op.promote = false;
+  if (op.dtype != DType::bf16 && op.dtype != DType::e4m3 && op.dtype != DType::e2m1x2) return false;
+  if (!op.sf || exact_scales(op)) return true;
+  const int64_t g = op.gran_k;
+  if (g < kStep || g > kKc || (g & (g - 1)) != 0) return false;
+  op.promote = true;
+  return true;
 }
 
-bool accepts(const GemmOperand& a, const GemmOperand& b) { return accepts_operand(a) && accepts_operand(b); }
+bool prepare(GemmOperand& a, GemmOperand& b) {
+  GemmOperand pa = a, pb = b;
+  if (!prepare_operand(pa) || !prepare_operand(pb)) return false;
+  a = pa;
+  b = pb;
+  return true;
+}
 
 }  // namespace
 
@@ -262,7 +380,7 @@ const GemmKernels& gemm_kernels_amx() {
     t.pack_b = &pack_b;
     t.tile = &tile;
     t.panel_floats = &panel_floats;
-    t.accepts = &accepts;
+    t.prepare = &prepare;
     return t;
   }();
   return k;

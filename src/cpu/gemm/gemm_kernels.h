@@ -26,6 +26,9 @@ struct GemmOperand {
   DType sf_dtype = DType::f32;
   int64_t sf_stride_mn = 0, sf_stride_k = 0;  // in f32 / i32 elements
   int64_t gran_mn = 1, gran_k = 128;
+  // Set by a target's prepare(): pack the raw values and keep the scales beside them, for
+  // the microkernel to promote per K group (the AMX target, for scales it cannot fold).
+  bool promote = false;
 };
 
 enum class PackNext : uint8_t { next_rows, next_k };
@@ -52,9 +55,11 @@ struct GemmKernels {
   // Floats one micro-panel of kc x width takes (kc * width for f32 panels; the AMX target
   // stores bf16 in 32-deep K steps). Panels of a block are this far apart.
   int64_t (*panel_floats)(int64_t kc, int width) = nullptr;
-  // Whether this target takes these operands; null: all. The driver runs the avx512
-  // kernels for the others.
-  bool (*accepts)(const GemmOperand& a, const GemmOperand& b) = nullptr;
+  // Whether this target takes these operands, and how (it may set their `promote`); null:
+  // all, as they are. The driver runs the avx512 kernels for the others.
+  bool (*prepare)(GemmOperand& a, GemmOperand& b) = nullptr;
+  // Logical row i, K [k0, k0 + kc) of a K-major operand, decoded and scaled, as f32.
+  void (*decode_row)(const GemmOperand& op, int64_t i, int64_t k0, int64_t kc, float* dst) = nullptr;
   // c[i, j] (+)= Σ_kk a[kk, i] · b[kk, j] for i < rows (≤ mr), j < cols (≤ nr), on
   // micro-panels a (stride mr) and b (stride nr); c has row stride ldc. accumulate = false
   // overwrites c. FMAs in kk order from the loaded (or zero) value of c.
@@ -74,10 +79,8 @@ const GemmKernels& gemm_kernels_avx2();
 const GemmKernels& gemm_kernels_avx512();  // only called when the CPU has AVX-512
 const GemmKernels& gemm_kernels_amx();     // only called when Isa::amx is supported
 const GemmKernels& gemm_kernels(Isa isa);
-// The kernels of `isa` if they take these operands, else the avx512 ones (the AMX target
-// takes unscaled bf16 operands only).
-const GemmKernels& gemm_kernels_for(Isa isa, const GemmOperand& a, const GemmOperand& b);
-// The ISA whose kernels gemm_kernels_for picks.
-Isa gemm_isa_for(Isa isa, const GemmOperand& a, const GemmOperand& b);
+// The ISA whose kernels run these operands: `isa` if its kernels take them (after their
+// prepare(), which may mark operands for promotion), else avx512.
+Isa gemm_prepare(Isa isa, GemmOperand& a, GemmOperand& b);
 
 }  // namespace moekit::detail

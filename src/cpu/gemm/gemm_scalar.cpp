@@ -70,13 +70,9 @@ const GemmKernels& gemm_kernels(Isa isa) {
   return gemm_kernels_scalar();
 }
 
-Isa gemm_isa_for(Isa isa, const GemmOperand& a, const GemmOperand& b) {
+Isa gemm_prepare(Isa isa, GemmOperand& a, GemmOperand& b) {
   const GemmKernels& k = gemm_kernels(isa);
-  return !k.accepts || k.accepts(a, b) ? isa : Isa::avx512;
-}
-
-const GemmKernels& gemm_kernels_for(Isa isa, const GemmOperand& a, const GemmOperand& b) {
-  return gemm_kernels(gemm_isa_for(isa, a, b));
+  return !k.prepare || k.prepare(a, b) ? isa : Isa::avx512;
 }
 
 }  // namespace moekit::detail
