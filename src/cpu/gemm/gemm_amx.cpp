@@ -151,10 +151,11 @@ void decode_words(const GemmOperand& src, int64_t i0, int rows, int64_t k0, int6
   }
 }
 
-// A 16 x 16 block of 32-bit words (row stride lds) transposed into 16 contiguous rows.
-void transpose16(const uint32_t* src, int64_t lds, uint32_t* dst) {
+// A 16 x 16 block of 32-bit words (rows `stride` bytes apart) transposed into 16 contiguous
+// rows.
+void transpose16(const uint8_t* src, int64_t stride, uint32_t* dst) {
   __m512i r[16], t[16];
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src + i * lds);
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src + i * stride);
   for (int i = 0; i < 16; i += 2) {
     t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
     t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
@@ -197,6 +198,25 @@ void pack_panels(const GemmOperand& op, int64_t mn0, int64_t count, int64_t k0, 
     auto* header = reinterpret_cast<PanelHeader*>(panel);
     *header = PanelHeader{};
     const int rows = static_cast<int>(std::min<int64_t>(kMr, count - p0));
+    uint8_t* data = reinterpret_cast<uint8_t*>(panel + kHeaderFloats);
+    // Whole steps of 32 full rows of a K-major bf16 operand: tiles straight from the source.
+    if (plain_bf16(op) && op.k_major && rows == kMr && kc % kStep == 0) {
+      const int64_t stride = op.ld * 2;
+      const uint8_t* src = op.data + ((mn0 + p0) * op.ld + k0) * 2;
+      for (int64_t s = 0; s < steps; ++s)
+        for (int h = 0; h < 2; ++h) {
+          uint32_t* tile = reinterpret_cast<uint32_t*>(data + (2 * s + h) * kTileBytes);
+          const uint8_t* from = src + h * 16 * stride + s * 64;
+          // 32 row streams of a weight far from cache: ask for each row's line 8 steps on.
+          for (int r = 0; r < 16; ++r) __builtin_prefetch(from + r * stride + 8 * 64);
+          if constexpr (kB) {
+            transpose16(from, stride, tile);
+          } else {
+            for (int r = 0; r < 16; ++r) std::memcpy(tile + r * 16, from + r * stride, 64);
+          }
+        }
+      continue;
+    }
     if (plain_bf16(op)) load_words(op, mn0 + p0, rows, k0, kc, words, ldw);
     else decode_words(op, mn0 + p0, rows, k0, kc, words, ldw);
     if (op.promote) {
@@ -204,13 +224,12 @@ void pack_panels(const GemmOperand& op, int64_t mn0, int64_t count, int64_t k0, 
       header->group_steps = static_cast<uint32_t>(op.gran_k / kStep);
       pack_scales(op, mn0 + p0, rows, k0, kc, panel_scales(panel, kc));
     }
-    uint8_t* data = reinterpret_cast<uint8_t*>(panel + kHeaderFloats);
     for (int64_t s = 0; s < steps; ++s)
       for (int h = 0; h < 2; ++h) {
         uint32_t* tile = reinterpret_cast<uint32_t*>(data + (2 * s + h) * kTileBytes);
         const uint32_t* src = words + h * 16 * ldw + s * 16;
         if constexpr (kB) {
-          transpose16(src, ldw, tile);
+          transpose16(reinterpret_cast<const uint8_t*>(src), ldw * 4, tile);
         } else {
           for (int r = 0; r < 16; ++r) std::memcpy(tile + r * 16, src + r * ldw, 64);
         }
