@@ -84,23 +84,39 @@ int64_t panel_floats(int64_t kc, int width) {
 const uint8_t* panel_steps(const float* panel) { return reinterpret_cast<const uint8_t*>(panel + kHeaderFloats); }
 float* panel_scales(float* panel, int64_t kc) { return panel + kHeaderFloats + step_count(kc) * kStep * kMr / 2; }
 
-// Operand rows [i0, i0 + rows) x K [k0, k0 + kc) of a bf16 operand as words: out[r * ldw + p]
-// holds elements (k0 + 2p, k0 + 2p + 1) of row i0 + r (low half first), zero past the
-// operand and up to ldw words.
+// Rows [i0, i0 + rows) x K [k0, k0 + kc) of a K-major bf16 operand as words:
+// out[r * ldw + p] holds elements (k0 + 2p, k0 + 2p + 1) of row i0 + r (low half first),
+// zero past the operand and up to ldw words.
 void load_words(const GemmOperand& op, int64_t i0, int rows, int64_t k0, int64_t kc, uint32_t* out, int64_t ldw) {
-  const int64_t es = 2;
   for (int r = 0; r < kMr; ++r) std::memset(out + r * ldw, 0, static_cast<size_t>(ldw) * 4);
-  if (op.k_major) {
-    for (int r = 0; r < rows; ++r) std::memcpy(out + r * ldw, op.data + ((i0 + r) * op.ld + k0) * es, static_cast<size_t>(kc) * 2);
-    return;
-  }
-  // MN-major: stored row k holds the rows side by side; interleave K rows two at a time.
-  for (int64_t kk = 0; kk < kc; kk += 2) {
-    const uint16_t* lo = reinterpret_cast<const uint16_t*>(op.data + ((k0 + kk) * op.ld + i0) * es);
-    const uint16_t* hi =
-        kk + 1 < kc ? reinterpret_cast<const uint16_t*>(op.data + ((k0 + kk + 1) * op.ld + i0) * es) : nullptr;
-    for (int r = 0; r < rows; ++r)
-      out[r * ldw + kk / 2] = lo[r] | (hi ? static_cast<uint32_t>(hi[r]) << 16 : 0u);
+  for (int r = 0; r < rows; ++r) std::memcpy(out + r * ldw, op.data + ((i0 + r) * op.ld + k0) * 2, static_cast<size_t>(kc) * 2);
+}
+
+// Two rows of 32 bf16 (K = 2p and 2p + 1 of 32 operand rows) as the 32 words of pair p:
+// pairs[r] = lo[r] | hi[r] << 16.
+inline void interleave_pair(__m512i lo, __m512i hi, uint32_t* pairs) {
+  static const __m512i first = [] {
+    alignas(64) uint16_t idx[32];
+    for (int i = 0; i < 16; ++i) idx[2 * i] = static_cast<uint16_t>(i), idx[2 * i + 1] = static_cast<uint16_t>(32 + i);
+    return _mm512_load_si512(idx);
+  }();
+  static const __m512i second = _mm512_add_epi16(first, _mm512_set1_epi16(16));
+  _mm512_storeu_si512(pairs, _mm512_permutex2var_epi16(lo, first, hi));
+  _mm512_storeu_si512(pairs + 16, _mm512_permutex2var_epi16(lo, second, hi));
+}
+
+// Rows [i0, i0 + rows) x K [k0, k0 + kc) of an MN-major bf16 operand (stored row k holds the
+// rows side by side) as pair-major words: pairs[p * 32 + r], zero past the operand and up
+// to whole steps.
+void load_pairs(const GemmOperand& op, int64_t i0, int rows, int64_t k0, int64_t kc, uint32_t* pairs) {
+  const __mmask32 valid = rows >= 32 ? ~__mmask32{0} : (__mmask32{1} << rows) - 1;
+  const int64_t words = step_count(kc) * (kStep / 2);
+  for (int64_t p = 0; p < words; ++p) {
+    const int64_t k = k0 + 2 * p;
+    const __m512i lo = 2 * p < kc ? _mm512_maskz_loadu_epi16(valid, op.data + (k * op.ld + i0) * 2) : _mm512_setzero_si512();
+    const __m512i hi = 2 * p + 1 < kc ? _mm512_maskz_loadu_epi16(valid, op.data + ((k + 1) * op.ld + i0) * 2)
+                                      : _mm512_setzero_si512();
+    interleave_pair(lo, hi, pairs + p * kMr);
   }
 }
 
@@ -120,33 +136,40 @@ void high_halves(const float* src, int64_t n, uint16_t* dst) {
 
 // Where the operand is not plain bf16 (FP8/FP4, scaled values), the avx512 decoders give f32
 // (exact tables; scaled unless the operand is promoted, whose raw values are packed) and the
-// high halves are taken. K-major rows decode row by row; MN-major operands through the
-// avx512 pack's f32 micro-panels (panel[kk * 32 + r]), at most kGemmKc deep at a time.
-void decode_words(const GemmOperand& src, int64_t i0, int rows, int64_t k0, int64_t kc, uint32_t* out, int64_t ldw) {
+// high halves are taken.
+GemmOperand values_to_pack(const GemmOperand& src) {
   GemmOperand op = src;
   if (op.promote) op.sf = nullptr;  // raw values; the scales go beside them
-  const GemmKernels& f32 = gemm_kernels_avx512();
+  return op;
+}
+
+// K-major: row by row, as load_words lays them out.
+void decode_words(const GemmOperand& src, int64_t i0, int rows, int64_t k0, int64_t kc, uint32_t* out, int64_t ldw) {
+  const GemmOperand op = values_to_pack(src);
+  alignas(64) static thread_local float row[kKc + kStep];
+  const int64_t padded = step_count(kc) * kStep;
   for (int r = 0; r < kMr; ++r) std::memset(out + r * ldw, 0, static_cast<size_t>(ldw) * 4);
-  if (op.k_major) {
-    alignas(64) static thread_local float row[kKc + kStep];
-    const int64_t padded = step_count(kc) * kStep;
-    for (int r = 0; r < rows; ++r) {
-      f32.decode_row(op, i0 + r, k0, kc, row);
-      std::memset(row + kc, 0, static_cast<size_t>(padded - kc) * sizeof(float));
-      high_halves(row, padded, reinterpret_cast<uint16_t*>(out + r * ldw));
-    }
-    return;
+  for (int r = 0; r < rows; ++r) {
+    gemm_kernels_avx512().decode_row(op, i0 + r, k0, kc, row);
+    std::memset(row + kc, 0, static_cast<size_t>(padded - kc) * sizeof(float));
+    high_halves(row, padded, reinterpret_cast<uint16_t*>(out + r * ldw));
   }
-  alignas(64) static thread_local float panel[kGemmKc * kMr];
-  for (int64_t c0 = 0; c0 < kc; c0 += kGemmKc) {
-    const int64_t len = std::min(kGemmKc, kc - c0);
-    f32.pack(op, i0, rows, k0 + c0, len, kMr, panel, PackNext::next_rows);
-    if (len % 2) std::memset(panel + len * kMr, 0, kMr * sizeof(float));
-    for (int64_t p = 0; p < (len + 1) / 2; ++p) {
-      alignas(64) uint16_t pair_rows[2 * kMr];  // kk = 2p, then 2p + 1
-      high_halves(panel + 2 * p * kMr, 2 * kMr, pair_rows);
-      for (int r = 0; r < rows; ++r)
-        out[r * ldw + c0 / 2 + p] = pair_rows[r] | static_cast<uint32_t>(pair_rows[kMr + r]) << 16;
+}
+
+// MN-major: through the avx512 pack's f32 micro-panels (panel[kk * 32 + r], zero past the
+// rows), at most kGemmKc deep at a time, as load_pairs lays them out.
+void decode_pairs(const GemmOperand& src, int64_t i0, int rows, int64_t k0, int64_t kc, uint32_t* pairs) {
+  const GemmOperand op = values_to_pack(src);
+  alignas(64) static thread_local float panel[(kGemmKc + kStep) * kMr];
+  const int64_t padded = step_count(kc) * kStep;
+  for (int64_t c0 = 0; c0 < padded; c0 += kGemmKc) {
+    const int64_t len = std::min(kGemmKc, kc - c0), span = std::min(kGemmKc, padded - c0);
+    if (len > 0) gemm_kernels_avx512().pack(op, i0, rows, k0 + c0, len, kMr, panel, PackNext::next_rows);
+    std::memset(panel + std::max<int64_t>(len, 0) * kMr, 0, static_cast<size_t>(span - std::max<int64_t>(len, 0)) * kMr * sizeof(float));
+    for (int64_t p = 0; p < span / 2; ++p) {
+      alignas(64) uint16_t two_rows[2 * kMr];  // kk = 2p, then 2p + 1
+      high_halves(panel + 2 * p * kMr, 2 * kMr, two_rows);
+      interleave_pair(_mm512_load_si512(two_rows), _mm512_load_si512(two_rows + kMr), pairs + (c0 / 2 + p) * kMr);
     }
   }
 }
@@ -199,6 +222,11 @@ void pack_panels(const GemmOperand& op, int64_t mn0, int64_t count, int64_t k0, 
     *header = PanelHeader{};
     const int rows = static_cast<int>(std::min<int64_t>(kMr, count - p0));
     uint8_t* data = reinterpret_cast<uint8_t*>(panel + kHeaderFloats);
+    if (op.promote) {
+      header->promoted = 1;
+      header->group_steps = static_cast<uint32_t>(op.gran_k / kStep);
+      pack_scales(op, mn0 + p0, rows, k0, kc, panel_scales(panel, kc));
+    }
     // Whole steps of 32 full rows of a K-major bf16 operand: tiles straight from the source.
     if (plain_bf16(op) && op.k_major && rows == kMr && kc % kStep == 0) {
       const int64_t stride = op.ld * 2;
@@ -217,13 +245,24 @@ void pack_panels(const GemmOperand& op, int64_t mn0, int64_t count, int64_t k0, 
         }
       continue;
     }
+    if (!op.k_major) {
+      // Pair-major words (pairs[p * 32 + r]): B tiles are their rows, A tiles transposes.
+      if (plain_bf16(op)) load_pairs(op, mn0 + p0, rows, k0, kc, words);
+      else decode_pairs(op, mn0 + p0, rows, k0, kc, words);
+      for (int64_t s = 0; s < steps; ++s)
+        for (int h = 0; h < 2; ++h) {
+          uint32_t* tile = reinterpret_cast<uint32_t*>(data + (2 * s + h) * kTileBytes);
+          const uint32_t* src = words + s * 16 * kMr + h * 16;
+          if constexpr (kB) {
+            for (int p = 0; p < 16; ++p) std::memcpy(tile + p * 16, src + p * kMr, 64);
+          } else {
+            transpose16(reinterpret_cast<const uint8_t*>(src), kMr * 4, tile);
+          }
+        }
+      continue;
+    }
     if (plain_bf16(op)) load_words(op, mn0 + p0, rows, k0, kc, words, ldw);
     else decode_words(op, mn0 + p0, rows, k0, kc, words, ldw);
-    if (op.promote) {
-      header->promoted = 1;
-      header->group_steps = static_cast<uint32_t>(op.gran_k / kStep);
-      pack_scales(op, mn0 + p0, rows, k0, kc, panel_scales(panel, kc));
-    }
     for (int64_t s = 0; s < steps; ++s)
       for (int h = 0; h < 2; ++h) {
         uint32_t* tile = reinterpret_cast<uint32_t*>(data + (2 * s + h) * kTileBytes);
