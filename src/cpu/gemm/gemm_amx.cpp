@@ -143,12 +143,54 @@ GemmOperand values_to_pack(const GemmOperand& src) {
   return op;
 }
 
+// Raw e4m3 codes straight to bf16 with AVX-512 VBMI: byte tables of the 128 magnitudes'
+// bf16 bits (from the exact decoder; every e4m3 value, subnormals included, is a bf16
+// normal or zero, NaN stays NaN), the sign byte or-ed in, bytes interleaved.
+struct E4m3ToBf16 {
+  __m512i lo_a, lo_b, hi_a, hi_b, first, second;
+  E4m3ToBf16() {
+    alignas(64) uint8_t lo[128], hi[128], i0[64], i1[64];
+    for (int c = 0; c < 128; ++c) {
+      const uint32_t bits = std::bit_cast<uint32_t>(tables().e4m3[c]) >> 16;
+      lo[c] = static_cast<uint8_t>(bits & 0xff);
+      hi[c] = static_cast<uint8_t>(bits >> 8);
+    }
+    for (int i = 0; i < 32; ++i) {
+      i0[2 * i] = static_cast<uint8_t>(i), i0[2 * i + 1] = static_cast<uint8_t>(64 + i);
+      i1[2 * i] = static_cast<uint8_t>(32 + i), i1[2 * i + 1] = static_cast<uint8_t>(96 + i);
+    }
+    lo_a = _mm512_load_si512(lo), lo_b = _mm512_load_si512(lo + 64);
+    hi_a = _mm512_load_si512(hi), hi_b = _mm512_load_si512(hi + 64);
+    first = _mm512_load_si512(i0), second = _mm512_load_si512(i1);
+  }
+};
+
+__attribute__((target("avx512vbmi"))) void e4m3_to_bf16(const uint8_t* src, int64_t n, uint16_t* dst) {
+  static const E4m3ToBf16 t;
+  const __m512i magnitude = _mm512_set1_epi8(0x7f), sign = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t i = 0; i < n; i += 64) {
+    const int64_t len = std::min<int64_t>(64, n - i);
+    const __mmask64 m = len == 64 ? ~__mmask64{0} : (__mmask64{1} << len) - 1;
+    const __m512i x = _mm512_maskz_loadu_epi8(m, src + i), mag = _mm512_and_si512(x, magnitude);
+    const __m512i lo = _mm512_permutex2var_epi8(t.lo_a, mag, t.lo_b);
+    const __m512i hi = _mm512_or_si512(_mm512_permutex2var_epi8(t.hi_a, mag, t.hi_b), _mm512_and_si512(x, sign));
+    const __mmask32 m0 = static_cast<__mmask32>(len >= 32 ? ~0u : (1u << len) - 1);
+    const __mmask32 m1 = static_cast<__mmask32>(len == 64 ? ~0u : len <= 32 ? 0u : (1u << (len - 32)) - 1);
+    _mm512_mask_storeu_epi16(dst + i, m0, _mm512_permutex2var_epi8(lo, t.first, hi));
+    _mm512_mask_storeu_epi16(dst + i + 32, m1, _mm512_permutex2var_epi8(lo, t.second, hi));
+  }
+}
+
 // K-major: row by row, as load_words lays them out.
 void decode_words(const GemmOperand& src, int64_t i0, int rows, int64_t k0, int64_t kc, uint32_t* out, int64_t ldw) {
   const GemmOperand op = values_to_pack(src);
+  for (int r = 0; r < kMr; ++r) std::memset(out + r * ldw, 0, static_cast<size_t>(ldw) * 4);
+  if (op.dtype == DType::e4m3 && !op.sf && cpu_features().avx512vbmi) {
+    for (int r = 0; r < rows; ++r) e4m3_to_bf16(row_ptr(op, i0 + r) + k0, kc, reinterpret_cast<uint16_t*>(out + r * ldw));
+    return;
+  }
   alignas(64) static thread_local float row[kKc + kStep];
   const int64_t padded = step_count(kc) * kStep;
-  for (int r = 0; r < kMr; ++r) std::memset(out + r * ldw, 0, static_cast<size_t>(ldw) * 4);
   for (int r = 0; r < rows; ++r) {
     gemm_kernels_avx512().decode_row(op, i0 + r, k0, kc, row);
     std::memset(row + kc, 0, static_cast<size_t>(padded - kc) * sizeof(float));
