@@ -2,7 +2,7 @@
 // multi-threaded driver around the per-ISA pack + microkernel (gemm_kernels.h).
 //
 // Blocking (BLIS order): for each column block jc (kNc wide) and K block pc (kern.kc deep)
-// the B block is packed once (decoded + scaled to f32); for each row block ic (kern.mc tall)
+// the B block is packed once (decoded + scaled to f32); for each row block ic (mc tall)
 // the A block is packed; then micro-panels of B (L1) sweep micro-panels of A (L2).
 // Partial sums live in a per-thread f32 buffer of (rows of the item) x kNc, written to D
 // (adding C, rounding to bf16 if asked) when a column block is complete.
@@ -34,7 +34,6 @@ using detail::GemmOperand;
 
 enum class Side : uint8_t { n, t };  // the layout letter of one operand
 
-  // columns of B packed at a time
 // Columns of B packed at a time: as many as possible up to kNcMax (fewer A re-packs),
 // split evenly, and bounded so one thread's f32 partial sums stay within kAccBytes.
 constexpr int64_t kNcMax = 4096;
@@ -166,8 +165,8 @@ void sweep(const detail::GemmKernels& kern, const float* pa, const float* pb, in
 }
 
 // Items whose packed panels hold all of K, so that the partial sums of a row block (at most
-// kern.mc rows) stay in L2 through every K block and go to D at once:
-// - narrow items (at most kern.mc rows: M = 5..96, or M = 128 split by columns): A is packed
+// GemmKernels::mc rows) stay in L2 through every K block and go to D at once:
+// - narrow items (at most mc rows: M = 5..96 on the FMA targets, or M = 128 split by columns): A is packed
 //   once; each column block of B is packed a micro-panel at a time over all of K, reading
 //   every B row front to back (a K-major weight read in 256-wide slices across thousands of
 //   rows would touch a new page per row);
