@@ -7,10 +7,9 @@
 // bits; they are the same on every run and for any thread count (fixed K blocks, fixed
 // order of 32-deep steps within a block).
 //
-// FP8/FP4 operands are decoded to bf16 while packing, which is exact, and their scales are
-// folded into the bf16 values, which is exact only for powers of two: the target takes
-// scaled operands when every scale is a power of two (ue8m0, or f32 scales made with
-// ue8m0 rounding) and leaves f32-scaled ones to the avx512 kernels (accepts() below).
+// FP8/FP4 operands are decoded to bf16 while packing, which is exact. Power-of-two scales
+// are folded into the bf16 values (exact); other scales stay beside the raw values and are
+// promoted per K group (prepare() below decides, per operand).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -82,7 +81,7 @@ int64_t panel_floats(int64_t kc, int width) {
   return kHeaderFloats + step_count(kc) * (kStep * width / 2 + width);
 }
 const uint8_t* panel_steps(const float* panel) { return reinterpret_cast<const uint8_t*>(panel + kHeaderFloats); }
-float* panel_scales(float* panel, int64_t kc) { return panel + kHeaderFloats + step_count(kc) * kStep * kMr / 2; }
+int64_t scales_offset(int64_t kc) { return kHeaderFloats + step_count(kc) * kStep * kMr / 2; }
 
 // Rows [i0, i0 + rows) x K [k0, k0 + kc) of a K-major bf16 operand as words:
 // out[r * ldw + p] holds elements (k0 + 2p, k0 + 2p + 1) of row i0 + r (low half first),
@@ -276,53 +275,39 @@ void pack_panels(const GemmOperand& op, int64_t mn0, int64_t count, int64_t k0, 
     if (op.promote) {
       header->promoted = 1;
       header->group_steps = static_cast<uint32_t>(op.gran_k / kStep);
-      pack_scales(op, mn0 + p0, rows, k0, kc, panel_scales(panel, kc));
+      pack_scales(op, mn0 + p0, rows, k0, kc, panel + scales_offset(kc));
     }
-    // Whole steps of 32 full rows of a K-major bf16 operand: tiles straight from the source.
+    // Where the 16-row blocks that become tiles are: `base`, rows `row` bytes apart, the next
+    // step `step` bytes on, rows (or pairs) 16-31 `half` bytes on. K-major sources hold
+    // operand rows (A tiles as they are, B tiles transposed); MN-major ones pair-major words
+    // (B tiles as they are, A tiles transposed).
+    const uint8_t* base;
+    int64_t row, step, half;
+    bool from_memory = false;
     if (plain_bf16(op) && op.k_major && rows == kMr && kc % kStep == 0) {
-      const int64_t stride = op.ld * 2;
-      const uint8_t* src = op.data + ((mn0 + p0) * op.ld + k0) * 2;
-      for (int64_t s = 0; s < steps; ++s)
-        for (int h = 0; h < 2; ++h) {
-          uint32_t* tile = reinterpret_cast<uint32_t*>(data + (2 * s + h) * kTileBytes);
-          const uint8_t* from = src + h * 16 * stride + s * 64;
-          // 32 row streams of a weight far from cache: ask for each row's line 8 steps on.
-          for (int r = 0; r < 16; ++r) __builtin_prefetch(from + r * stride + 8 * 64);
-          if constexpr (kB) {
-            transpose16(from, stride, tile);
-          } else {
-            for (int r = 0; r < 16; ++r) std::memcpy(tile + r * 16, from + r * stride, 64);
-          }
-        }
-      continue;
-    }
-    if (!op.k_major) {
-      // Pair-major words (pairs[p * 32 + r]): B tiles are their rows, A tiles transposes.
+      // Whole steps of 32 full rows of a K-major bf16 operand: tiles straight from the source.
+      base = op.data + ((mn0 + p0) * op.ld + k0) * 2, row = op.ld * 2, step = 64, half = 16 * row;
+      from_memory = true;
+    } else if (op.k_major) {
+      if (plain_bf16(op)) load_words(op, mn0 + p0, rows, k0, kc, words, ldw);
+      else decode_words(op, mn0 + p0, rows, k0, kc, words, ldw);
+      base = reinterpret_cast<const uint8_t*>(words), row = ldw * 4, step = 64, half = 16 * row;
+    } else {
       if (plain_bf16(op)) load_pairs(op, mn0 + p0, rows, k0, kc, words);
       else decode_pairs(op, mn0 + p0, rows, k0, kc, words);
-      for (int64_t s = 0; s < steps; ++s)
-        for (int h = 0; h < 2; ++h) {
-          uint32_t* tile = reinterpret_cast<uint32_t*>(data + (2 * s + h) * kTileBytes);
-          const uint32_t* src = words + s * 16 * kMr + h * 16;
-          if constexpr (kB) {
-            for (int p = 0; p < 16; ++p) std::memcpy(tile + p * 16, src + p * kMr, 64);
-          } else {
-            transpose16(reinterpret_cast<const uint8_t*>(src), kMr * 4, tile);
-          }
-        }
-      continue;
+      base = reinterpret_cast<const uint8_t*>(words), row = kMr * 4, step = 16 * row, half = 64;
     }
-    if (plain_bf16(op)) load_words(op, mn0 + p0, rows, k0, kc, words, ldw);
-    else decode_words(op, mn0 + p0, rows, k0, kc, words, ldw);
+    const bool transpose = kB == op.k_major;
     for (int64_t s = 0; s < steps; ++s)
       for (int h = 0; h < 2; ++h) {
         uint32_t* tile = reinterpret_cast<uint32_t*>(data + (2 * s + h) * kTileBytes);
-        const uint32_t* src = words + h * 16 * ldw + s * 16;
-        if constexpr (kB) {
-          transpose16(reinterpret_cast<const uint8_t*>(src), ldw * 4, tile);
-        } else {
-          for (int r = 0; r < 16; ++r) std::memcpy(tile + r * 16, src + r * ldw, 64);
-        }
+        const uint8_t* from = base + s * step + h * half;
+        // 32 row streams of a weight far from cache: ask for each row's line 8 steps on.
+        if (from_memory)
+          for (int r = 0; r < 16; ++r) __builtin_prefetch(from + r * row + 8 * step);
+        if (transpose) transpose16(from, row, tile);
+        else
+          for (int r = 0; r < 16; ++r) std::memcpy(tile + r * 16, from + r * row, 64);
       }
   }
 }
@@ -380,8 +365,8 @@ void promoted_tile(int64_t kc, const float* a, const float* b, float* c, int64_t
   const int64_t steps = step_count(kc);
   const int64_t ga = ha.promoted ? ha.group_steps : steps, gb = hb.promoted ? hb.group_steps : steps;
   const int64_t group = std::min(ga, gb);
-  const float* sa = panel_scales(const_cast<float*>(a), kc);
-  const float* sb = panel_scales(const_cast<float*>(b), kc);
+  const float* sa = a + scales_offset(kc);
+  const float* sb = b + scales_offset(kc);
   alignas(64) float acc[kMr * kNr], part[kMr * kNr];
   for (int i = 0; i < kMr; ++i)
     for (int h = 0; h < 2; ++h)
@@ -438,20 +423,14 @@ bool exact_scale_bits(uint32_t bits) {
   return mantissa == 0 && (exponent == 0 || exponent >= 127 - 100);
 }
 
+// Every scale of the operand (f32, or packed ue8m0 as the decoders read it).
 bool exact_scales(const GemmOperand& op) {
-  const int64_t rows = (op.mn + op.gran_mn - 1) / op.gran_mn, groups = (op.k + op.gran_k - 1) / op.gran_k;
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t g = 0; g < groups; ++g) {
-      uint32_t bits;
-      if (op.sf_dtype == DType::f32) {
-        std::memcpy(&bits, static_cast<const float*>(op.sf) + r * op.sf_stride_mn + g * op.sf_stride_k, 4);
-      } else {
-        const int32_t word = static_cast<const int32_t*>(op.sf)[r * op.sf_stride_mn + (g >> 2) * op.sf_stride_k];
-        const uint32_t code = (static_cast<uint32_t>(word) >> (8 * (g & 3))) & 0xffu;
-        bits = code == 255 ? 0x7fc00000u : code == 0 ? 0x00400000u : code << 23;  // 0: 2^-127
-      }
-      if (!exact_scale_bits(bits)) return false;
-    }
+  const int64_t groups = (op.k + op.gran_k - 1) / op.gran_k;
+  for (int64_t i = 0; i < op.mn; i += op.gran_mn) {
+    const void* sf_row = scale_row(op, i);
+    for (int64_t g = 0; g < groups; ++g)
+      if (!exact_scale_bits(std::bit_cast<uint32_t>(group_scale(op, sf_row, g)))) return false;
+  }
   return true;
 }
 
