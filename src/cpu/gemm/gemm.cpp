@@ -278,11 +278,18 @@ void run_small_m(const detail::GemmKernels& kern, const GemmOperand& a, const Ge
   }
 }
 
-// pre: B's pre-packed panels (then b only gives its extents), made by the kernels of `isa`.
-void run_gemm(GemmOperand a, GemmOperand b, const Output& out, const Prepacked& pre = {}, Isa isa = active_isa()) {
+// pre: B's pre-packed panels (then b only gives its extents), made by the kernels of `isa`
+// for the call `fn`; A must be an operand those kernels take.
+void run_gemm(const char* fn, GemmOperand a, GemmOperand b, const Output& out, const Prepacked& pre = {},
+              Isa isa = active_isa()) {
+  const Isa runs_on = detail::gemm_prepare(isa, a, b);
+  if (pre.data && runs_on != isa)
+    fail(fn, "a", std::string("activations the ") + isa_name(isa) + " kernels that packed b take",
+         std::string(dtype_name(a.dtype)) + " with scale groups of " + std::to_string(a.gran_k) +
+             " (amx: a power of two from 32 to 2048, or power-of-two scales)");
   const int64_t m = a.mn, n = b.mn, k = a.k;
   if (m == 0 || n == 0) return;
-  const detail::GemmKernels& kern = detail::gemm_kernels(detail::gemm_prepare(isa, a, b));
+  const detail::GemmKernels& kern = detail::gemm_kernels(runs_on);
   // (B groups must be whole lanes: the per-group sums of the small-M path are 8 lanes wide.)
   if (!pre.data && m <= detail::kGemmSmallM && a.k_major && b.k_major && k > 0 && (!b.sf || b.gran_k % 8 == 0)) {
     const double bytes = static_cast<double>(n) * static_cast<double>(k);
@@ -382,7 +389,7 @@ void bf16_gemm(const char* fn, Side sa, Side sb, const Tensor& a, const Tensor& 
   const GemmOperand ga = describe(fn, "a", a, sa == Side::n, {DType::bf16});
   const GemmOperand gb = describe(fn, "b", b, sb == Side::t, {DType::bf16});
   check_k(fn, ga, gb);
-  run_gemm(ga, gb, describe_output(fn, d, c, ga.mn, gb.mn));
+  run_gemm(fn, ga, gb, describe_output(fn, d, c, ga.mn, gb.mn));
 }
 
 OperandRecipe resolve(const GemmOptions& o, bool is_a, bool any_fp4) {
@@ -416,7 +423,7 @@ void scaled_gemm(const char* fn, Side sa, Side sb, const Quantized& a, const Qua
   const bool any_fp4 = a_fp4 || b_fp4;
   attach_scales(fn, "a.sf", ga, a.sf, resolve(options, true, any_fp4));
   attach_scales(fn, "b.sf", gb, b.sf, resolve(options, false, any_fp4));
-  run_gemm(ga, gb, describe_output(fn, d, c, ga.mn, gb.mn));
+  run_gemm(fn, ga, gb, describe_output(fn, d, c, ga.mn, gb.mn));
 }
 
 }  // namespace
@@ -467,13 +474,8 @@ void run_packed(const char* fn, const GemmOperand& a, const PackedWeights& b, co
   gb.dtype = b.source_dtype();
   gb.mn = b.n();
   gb.k = b.k();
-  GemmOperand a_check = a, b_check = gb;
-  if (detail::gemm_prepare(b.isa(), a_check, b_check) != b.isa())
-    fail(fn, "a", std::string("activations the ") + isa_name(b.isa()) + " kernels that packed b take",
-         std::string(dtype_name(a.dtype)) + " with scale groups of " + std::to_string(a.gran_k) +
-             " (amx: a power of two from 32 to 2048, or power-of-two scales)");
   const int64_t nr = detail::gemm_kernels(b.isa()).nr;
-  run_gemm(a, gb, describe_output(fn, d, c, a.mn, b.n()), Prepacked{PackedWeightsAccess::data(b), ceil_div(b.n(), nr) * nr},
+  run_gemm(fn, a, gb, describe_output(fn, d, c, a.mn, b.n()), Prepacked{PackedWeightsAccess::data(b), ceil_div(b.n(), nr) * nr},
            b.isa());
 }
 
