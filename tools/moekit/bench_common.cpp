@@ -8,6 +8,7 @@
 #include <random>
 
 #include "moekit/formats.h"
+#include "moekit/runtime.h"
 #include "peak.h"
 #include <nlohmann/json.hpp>
 
@@ -76,13 +77,14 @@ std::map<std::string, double> RunCeilings::header() const {
 
 void Reporter::header(const std::string& suite, const std::map<std::string, double>& ceilings) {
   if (json) {
-    nlohmann::json j = {{"suite", suite}};
+    // (the ISA says which kernels the rows ran: under amx the GEMMs run on AMX tiles)
+    nlohmann::json j = {{"suite", suite}, {"isa", isa_name(active_isa())}};
     for (const auto& [name, value] : ceilings) j["ceilings"][name] = value;
     fmt::print("{}\n", j.dump());
     std::fflush(stdout);  // flushed line by line: a run cut short keeps every finished row
     return;
   }
-  fmt::print("\n== moekit bench {} ==\n", suite);
+  fmt::print("\n== moekit bench {} (isa {}) ==\n", suite, isa_name(active_isa()));
   for (const auto& [name, value] : ceilings) fmt::print("ceiling {} = {:.2f}\n", name, value);
   fmt::print("{:<26} {:<22} {:<7} {:>3} {:>11} {:>9} {:>6}  {:<18} {:>11} {:>7} {:>9}\n", "kernel", "shape", "dtype", "thr",
              "time_us", "value", "%ceil", "peer", "peer_us", "speedup", "calc_diff");
