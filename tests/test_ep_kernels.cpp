@@ -94,7 +94,7 @@ TEST(EpKernels, StreamCopyCopiesEveryByte) {
   for (size_t n : {64ul, 65ul, 2048ul, 4097ul, 70000ul - 3})
     for (size_t off : {0ul, 1ul, 31ul}) {
       std::fill(dst.begin(), dst.end(), 0xAB);
-      moekit::ep::detail::copy_stream_avx2(dst.data() + off, src.data() + 3, n);
+      moekit::detail::copy_stream_avx2(dst.data() + off, src.data() + 3, n);
       moekit::ep::detail::stream_fence();
       ASSERT_EQ(std::memcmp(dst.data() + off, src.data() + 3, n), 0) << n << " " << off;
       ASSERT_EQ(dst[off + n], 0xAB);

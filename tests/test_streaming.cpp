@@ -1,9 +1,12 @@
-// The non-temporal store path of the casts (taken for outputs above a size threshold) must
-// give exactly the bytes of the cached path and of the portable path.
+// The non-temporal store paths of the casts (taken for outputs above a size threshold: the
+// quantize kernels' own streaming stores, and dequantisation through a per-thread stage in
+// chunks of whole scale groups) must give exactly the bytes of the cached path and of the
+// portable path.
 #include <gtest/gtest.h>
 
 #include <cstring>
 #include <random>
+#include <vector>
 
 #include "cpu/formats/format_kernels.h"
 #include "moekit/formats.h"
@@ -59,6 +62,46 @@ TEST(Streaming, CastsMatchCachedPathOnEveryIsa) {
       EXPECT_TRUE(same(cast_back_from_fp8(fp8.values, fp8.sf, DType::f32), back8_f32_cached));
       EXPECT_TRUE(same(cast_back_from_fp4(fp4.values, fp4.sf, DType::f32, 1, 32, in.size(1)), back4_cached));
     }
+  }
+}
+
+// Rows longer than the 2048-column stage, so that they go out in several chunks: a partial
+// last chunk, odd column counts (an FP4 row ending in half a byte), scale groups of 32 and 128,
+// and groups longer than the stage (a chunk is then one group).
+TEST(Streaming, StagedDequantisationMatchesCachedPathOnEveryIsa) {
+  const Tensor x = random_bf16(5, 6999);
+  const Quantized fp8 = per_token_cast_to_fp8(x, false);
+  const Quantized fp8_long = per_token_cast_to_fp8(x, false, 3000);
+  const Quantized fp4 = per_token_cast_to_fp4(x, false);
+  Tensor codes8 = Tensor::empty(x.shape(), DType::e4m3), codes4 = Tensor::empty({5, 3500}, DType::e2m1x2);
+  convert(x, codes8);
+  convert(x, codes4);
+  auto outputs = [&] {
+    std::vector<Tensor> out;
+    for (DType wide : {DType::bf16, DType::f32}) {
+      out.push_back(cast_back_from_fp8(fp8.values, fp8.sf, wide));
+      out.push_back(cast_back_from_fp8(fp8_long.values, fp8_long.sf, wide, 1, 3000));
+      out.push_back(cast_back_from_fp4(fp4.values, fp4.sf, wide, 1, 32, x.size(1)));
+      for (const Tensor* codes : {&codes8, &codes4}) {
+        Tensor t = Tensor::empty(x.shape(), wide);
+        convert(*codes, t);
+        out.push_back(t);
+      }
+    }
+    return out;
+  };
+  std::vector<Tensor> cached;
+  {
+    ScopedIsa portable(Isa::scalar);
+    cached = outputs();
+  }
+  StreamingThreshold all_streaming(1);
+  for (Isa isa : moekit::testing::supported_isas()) {
+    ScopedIsa scoped(isa);
+    SCOPED_TRACE(isa_name(isa));
+    const std::vector<Tensor> streamed = outputs();
+    ASSERT_EQ(streamed.size(), cached.size());
+    for (size_t i = 0; i < cached.size(); ++i) EXPECT_TRUE(same(streamed[i], cached[i])) << "output " << i;
   }
 }
 

@@ -10,16 +10,6 @@
 
 namespace moekit::ep::detail {
 
-void copy_stream(void* dst, const void* src, size_t n) {
-  if (n >= kStreamMinBytes && active_isa() >= Isa::avx2) {
-    copy_stream_avx2(dst, src, n);
-  } else {
-    std::memcpy(dst, src, n);
-  }
-}
-
-void stream_fence() { _mm_sfence(); }
-
 void reduce_rows_bf16_scalar(uint16_t* out, const uint16_t* const* rows, int n, const uint16_t* bias_0,
                              const uint16_t* bias_1, int64_t begin, int64_t end) {
   for (int64_t i = begin; i < end; ++i) {

@@ -7,14 +7,13 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "core/stream_copy.h"
+
 namespace moekit::ep::detail {
 
-// Copies n bytes; non-temporal when n >= kStreamMinBytes and the CPU has AVX2.
-void copy_stream(void* dst, const void* src, size_t n);
-void stream_fence();
-inline constexpr size_t kStreamMinBytes = 2048;
-
-void copy_stream_avx2(void* dst, const void* src, size_t n);  // n >= 64
+using moekit::detail::copy_stream;
+using moekit::detail::kStreamMinBytes;
+using moekit::detail::stream_fence;
 
 // out = bf16(rows[0] + rows[1] + ... + rows[n-1] (+ bias_0) (+ bias_1)), summed in f32 in
 // exactly that order, rounded to nearest even (NaN stays a quiet NaN); n = 0 gives the

@@ -43,8 +43,9 @@ struct FormatKernels {
   // inv (gran 1 only): see Reciprocals.
   void (*quantize[3][2])(const void* x, uint8_t* q, int64_t n, const float* sf, int64_t gran, bool stream,
                          const void* prefetch, bool scales_from_amax, Reciprocals inv);
-  // out = wide(decode(q) * sf[i / gran]).
-  void (*dequantize[3][2])(const uint8_t* q, void* out, int64_t n, const float* sf, int64_t gran, bool stream);
+  // out = wide(decode(q) * sf[i / gran]), ordinary stores: callers stream big outputs out
+  // of a cache-sized stage instead (quant.cpp: StreamedRows).
+  void (*dequantize[3][2])(const uint8_t* q, void* out, int64_t n, const float* sf, int64_t gran);
   void (*f32_to_bf16)(const float* x, uint16_t* out, int64_t n);
   void (*bf16_to_f32)(const uint16_t* x, float* out, int64_t n);
 };
@@ -56,7 +57,8 @@ const FormatKernels& format_kernels(Isa isa);
 inline const FormatKernels& format_kernels() { return format_kernels(active_isa()); }
 
 // Outputs of at least this many bytes are written with non-temporal stores (default
-// 64 MiB). Returns the previous value; tests lower it to cover the streaming path.
+// 64 MiB): by the quantize kernels themselves, and for dequantisation through a stage (see
+// quant.cpp). Returns the previous value; tests lower it to cover the streaming paths.
 int64_t set_streaming_threshold(int64_t bytes);
 
 // Per-block and per-channel casts read each scale group twice (amax, then quantise). They

@@ -259,18 +259,16 @@ struct V {
     const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
     expand_codes(_mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi)), c);
   }
-  template <bool Stream>
   static void store_f32_x4(float* p, const F v[4]) {
-    put<Stream>(p, bits(_mm256_permute2f128_ps(v[0], v[1], 0x20)));
-    put<Stream>(p + 8, bits(_mm256_permute2f128_ps(v[2], v[3], 0x20)));
-    put<Stream>(p + 16, bits(_mm256_permute2f128_ps(v[0], v[1], 0x31)));
-    put<Stream>(p + 24, bits(_mm256_permute2f128_ps(v[2], v[3], 0x31)));
+    put<false>(p, bits(_mm256_permute2f128_ps(v[0], v[1], 0x20)));
+    put<false>(p + 8, bits(_mm256_permute2f128_ps(v[2], v[3], 0x20)));
+    put<false>(p + 16, bits(_mm256_permute2f128_ps(v[0], v[1], 0x31)));
+    put<false>(p + 24, bits(_mm256_permute2f128_ps(v[2], v[3], 0x31)));
   }
-  template <bool Stream>
   static void store_u16_x4(uint16_t* p, const I r[4]) {
     const __m256i a = _mm256_packus_epi32(r[0], r[1]), b = _mm256_packus_epi32(r[2], r[3]);
-    put<Stream>(p, _mm256_permute2x128_si256(a, b, 0x20));
-    put<Stream>(p + 16, _mm256_permute2x128_si256(a, b, 0x31));
+    put<false>(p, _mm256_permute2x128_si256(a, b, 0x20));
+    put<false>(p + 16, _mm256_permute2x128_si256(a, b, 0x31));
   }
 
   // ---- dequantisation through f16 (formats_simd.inc: dequantize_block) ----
@@ -293,15 +291,13 @@ struct V {
   }
   // Stores of 32 values (f32, or bf16 bit patterns in 32-bit lanes) given in natural order,
   // as decode_e4m3_x4 produces them.
-  template <bool Stream>
   static void store_f32_natural_x4(float* p, const F v[4]) {
-    for (int j = 0; j < 4; ++j) put<Stream>(p + 8 * j, bits(v[j]));
+    for (int j = 0; j < 4; ++j) put<false>(p + 8 * j, bits(v[j]));
   }
-  template <bool Stream>
   static void store_u16_natural_x4(uint16_t* p, const I r[4]) {
     // packus of lanes e[0-7] and e[8-15] interleaves their 128-bit halves; the qword permute restores order.
-    put<Stream>(p, _mm256_permute4x64_epi64(_mm256_packus_epi32(r[0], r[1]), 0xd8));
-    put<Stream>(p + 16, _mm256_permute4x64_epi64(_mm256_packus_epi32(r[2], r[3]), 0xd8));
+    put<false>(p, _mm256_permute4x64_epi64(_mm256_packus_epi32(r[0], r[1]), 0xd8));
+    put<false>(p + 16, _mm256_permute4x64_epi64(_mm256_packus_epi32(r[2], r[3]), 0xd8));
   }
 
   static I load_nibble_pairs(const uint8_t* p) {
