@@ -368,6 +368,40 @@ TEST(QuantOracle, PerTokenFp8EveryBf16PatternUnderPowerOfTwoScales) {
   check_every_bf16_pattern(Cast::token_fp8, 448.0f, 32, {3});
 }
 
+// Per-block casts of bf16 may run on per-scale code tables (formats_avx512.cpp:
+// e4m3_tables): every magnitude pattern within 26 binades below the block's amax (past the
+// zero region), each sign, plus a few tiny ones, under scales with arbitrary mantissas
+// (amax = 2^(8+e)·(1 + j/128), so sf = amax/448 is not a power of two) from 2^-12 to 2^118,
+// beyond the tables' range at the top. Blocks of 4 rows x 128 columns, element 0 the amax.
+TEST(QuantOracle, PerBlockFp8EveryBf16PatternUnderArbitraryScales) {
+  const int64_t block_m = 4, gran = 128, per_block = block_m * gran - 1;
+  std::vector<uint16_t> amaxes;
+  for (int e : {-20, 0, 7, 91, 110})
+    for (int j : {0x01, 0x2d, 0x60, 0x7f}) amaxes.push_back(static_cast<uint16_t>((0x87 + e) << 7 | j));
+  std::vector<std::vector<uint16_t>> contents;  // per block: amax then its patterns
+  for (uint16_t amax : amaxes) {
+    std::vector<uint16_t> patterns = {0x0000, 0x0001, 0x007f, 0x0080, 0x0100};
+    for (int32_t p = std::max<int32_t>(0x0101, amax - 0x0d00); p <= amax; ++p) patterns.push_back(static_cast<uint16_t>(p));
+    std::vector<uint16_t> values;
+    for (uint16_t p : patterns) values.insert(values.end(), {p, static_cast<uint16_t>(p | 0x8000)});
+    for (size_t at = 0; at < values.size(); at += per_block) {
+      std::vector<uint16_t> block = {amax};
+      for (size_t i = at; i < std::min(values.size(), at + per_block); ++i) block.push_back(values[i]);
+      while (static_cast<int64_t>(block.size()) < block_m * gran) block.push_back(0x3f80);  // 1.0
+      contents.push_back(std::move(block));
+    }
+  }
+  const int64_t blocks = static_cast<int64_t>(contents.size());
+  Tensor x = Tensor::empty({block_m, blocks * gran}, DType::bf16);
+  for (int64_t b = 0; b < blocks; ++b)
+    for (int64_t i = 0; i < block_m * gran; ++i) x.data_ptr<uint16_t>()[(i / gran) * blocks * gran + b * gran + i % gran] = contents[b][i];
+  const Case c{block_m, blocks * gran, gran, block_m};
+  for (bool ue8m0 : {false, true}) {
+    SCOPED_TRACE(describe(Cast::block_fp8, c, DType::bf16, ue8m0));
+    expect_oracle_under_every_isa(Cast::block_fp8, x, ue8m0, c);
+  }
+}
+
 // The e4m3 16-bit kernel's edges one at a time, each alone among normal values in its
 // 64-element block (so that no neighbour sends the block to the general path): half the least
 // subnormal and the patterns around it, the least normal and the pattern below, tiny and

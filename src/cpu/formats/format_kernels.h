@@ -48,7 +48,16 @@ struct FormatKernels {
   void (*dequantize[3][2])(const uint8_t* q, void* out, int64_t n, const float* sf, int64_t gran);
   void (*f32_to_bf16)(const float* x, uint16_t* out, int64_t n);
   void (*bf16_to_f32)(const uint16_t* x, float* out, int64_t n);
+  // Per-block casts (many rows under one row of scales): bf16 -> e4m3 through a code table
+  // per scale (formats_avx512.cpp). e4m3_tables fills kE4m3TableWords int16 per scale, or
+  // returns false when a scale is outside what the tables take (then use quantize);
+  // quantize_e4m3_tables is quantize of bf16 x to e4m3 with scales_from_amax, gran a multiple
+  // of 64. Null on targets without them.
+  bool (*e4m3_tables)(const float* sf, int64_t groups, int16_t* tables);
+  void (*quantize_e4m3_tables)(const uint16_t* x, uint8_t* q, int64_t n, const float* sf, int64_t gran,
+                               const int16_t* tables, bool stream, const uint16_t* prefetch);
 };
+inline constexpr int64_t kE4m3TableWords = 128;
 
 const FormatKernels& format_kernels_scalar();
 const FormatKernels& format_kernels_avx2();

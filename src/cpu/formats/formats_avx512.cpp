@@ -89,6 +89,101 @@ void quantize_e4m3_bf16(const void* x, uint8_t* q, int64_t n, const float* sf, i
   (pow2_path ? g_e4m3_bf16_ymm : g_e4m3_bf16_zmm)(x, q, n, sf, gran, stream, prefetch, scales_from_amax, inv);
 }
 
+// ---- per-block bf16 -> e4m3 casts through code tables ----
+// Write sf = 2^k·f (1 <= f < 2) and P for the bf16 pattern of |x| / 2^k (|x|'s minus k << 7,
+// exact). For x / 2^k = 2^e·(1 + m/128) the quotient RN(x / sf) is 2^e·RN((1 + m/128) / f):
+// scaling by 2^e commutes with f32 rounding, and, within the e4m3 normal range, with e4m3
+// rounding too (whose ties go by the mantissa's parity, which moves with it). So a normal code
+// is (P >> 4) + T[m], m = P & 127, with T depending on f alone: one table of 128 int16 per
+// scale, looked up 32 lanes at a time by two vpermt2w (each indexes 64 words by P's low six
+// bits) and a blend on bit 6. A per-block cast shares each scale between 128 rows, so the
+// tables cost under 1 % of the elements' work; per-token scales change every group, and keep
+// the reciprocal path. Measured on a 2-vCPU Xeon (AMX host, 2026-12-01): see docs/FORMATS.md.
+//
+// Lanes with P <= 0x3a80 (x / 2^k <= 2^-10, so the quotient is at most half the least e4m3
+// subnormal) are code 0; those with P >= 0x3d00 (x / 2^k >= 2^-5, the quotient above 2^-6)
+// are normal. A 64-element step holding a lane between (an e4m3 subnormal, or near one) goes
+// through the general kernel, as do the row's last < 64 elements.
+constexpr int kTableExponent = 130;  // bf16 exponent field of the probe values (below)
+
+// The table of one scale holds the general kernel's codes of the 128 probes 2^(3+k)·(1 + m/128)
+// (quotients in (4, 16): normal, unsaturated), less their (P >> 4). Scales are taken from 2^-100
+// to below 2^100: the probes are normal bf16 then, and a bf16 subnormal x lands in the zero
+// region (its P stays below 0x3a80).
+bool e4m3_tables(const float* sf, int64_t groups, int16_t* tables) {
+  alignas(64) uint16_t probe[kE4m3TableWords];
+  uint8_t codes[kE4m3TableWords];
+  for (int64_t g = 0; g < groups; ++g) {
+    uint32_t bits;
+    std::memcpy(&bits, &sf[g], 4);
+    const int32_t exponent = static_cast<int32_t>(bits >> 23);  // sign bit set: out of range
+    if (exponent < 127 - 100 || exponent >= 127 + 100) return false;
+    const int32_t k = exponent - 127;
+    for (int m = 0; m < kE4m3TableWords; ++m) probe[m] = static_cast<uint16_t>((kTableExponent + k) << 7 | m);
+    quantize_span<E4M3, uint16_t, false, false, false>(probe, codes, kE4m3TableWords, sf + g, Reciprocals{}, nullptr);
+    for (int m = 0; m < kE4m3TableWords; ++m)
+      tables[g * kE4m3TableWords + m] = static_cast<int16_t>(codes[m] - ((kTableExponent << 7 | m) >> 4));
+  }
+  return true;
+}
+
+// Constants of table_codes, set up once per call so that they stay in registers.
+struct TableConstants {
+  __m512i magnitude = _mm512_set1_epi16(0x7fff), bit6 = _mm512_set1_epi16(0x40);
+  __m512i zero_to = _mm512_set1_epi16(0x3a80), normal_from = _mm512_set1_epi16(0x3d00);
+  __m512i max_code = _mm512_set1_epi16(0x7e), sign_code = _mm512_set1_epi16(0x80);
+  __m512i qword_order = _mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7);  // undoes packus's lane interleave
+};
+
+// Codes of 32 bf16 lanes (as words) from their group's table t[4] and shift (k << 7);
+// `unsure` gains the lanes the table cannot answer.
+inline __m512i table_codes(__m512i v, const __m512i t[4], __m512i shift, const TableConstants& c, __mmask32& unsure) {
+  const __m512i p = _mm512_sub_epi16(_mm512_and_si512(v, c.magnitude), shift);
+  const __m512i low = _mm512_permutex2var_epi16(t[0], p, t[1]), high = _mm512_permutex2var_epi16(t[2], p, t[3]);
+  const __m512i offset = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(p, c.bit6), low, high);
+  const __mmask32 nonzero = _mm512_cmpgt_epi16_mask(p, c.zero_to);
+  unsure |= _mm512_mask_cmplt_epi16_mask(nonzero, p, c.normal_from);
+  // (capped at 126, 448: no finite value can become the NaN code, whatever the caller's bound)
+  const __m512i code = _mm512_min_epi16(_mm512_maskz_add_epi16(nonzero, _mm512_srli_epi16(p, 4), offset), c.max_code);
+  // code | (sign of x: bit 15 of v, moved to bit 7)
+  return _mm512_ternarylogic_epi32(code, _mm512_srli_epi16(v, 8), c.sign_code, 0xf8);
+}
+
+template <bool Stream>
+void e4m3_rows_by_table(const uint16_t* x, uint8_t* q, int64_t n, const float* sf, int64_t gran, const int16_t* tables,
+                        const uint16_t* prefetch) {
+  const TableConstants c;
+  int64_t i = 0;
+  for (int64_t g = 0; i + 64 <= n; ++g) {
+    __m512i t[4];
+    for (int j = 0; j < 4; ++j) t[j] = _mm512_loadu_si512(tables + g * kE4m3TableWords + 32 * j);
+    uint32_t bits;
+    std::memcpy(&bits, &sf[g], 4);
+    const __m512i shift = _mm512_set1_epi16(static_cast<int16_t>((static_cast<int32_t>(bits >> 23) - 127) * 128));
+    for (const int64_t end = min64(n, (g + 1) * gran); i + 64 <= end; i += 64) {
+      if (prefetch) prefetch_block(prefetch + i);
+      __mmask32 unsure = 0;
+      const __m512i lo = table_codes(_mm512_loadu_si512(x + i), t, shift, c, unsure);
+      const __m512i hi = table_codes(_mm512_loadu_si512(x + i + 32), t, shift, c, unsure);
+      if (unsure) {
+        quantize_span<E4M3, uint16_t, false, false, true>(x + i, q + i, 64, sf + g, Reciprocals{}, nullptr);
+        continue;
+      }
+      const __m512i codes = _mm512_permutexvar_epi64(c.qword_order, _mm512_packus_epi16(lo, hi));
+      if (Stream && (reinterpret_cast<uintptr_t>(q + i) & 63) == 0) _mm512_stream_si512(reinterpret_cast<__m512i*>(q + i), codes);
+      else _mm512_storeu_si512(q + i, codes);
+    }
+  }
+  if (i < n) quantize_span<E4M3, uint16_t, false, false, true>(x + i, q + i, n - i, sf + i / gran, Reciprocals{}, nullptr);
+  if (Stream) _mm_sfence();
+}
+
+void quantize_e4m3_tables(const uint16_t* x, uint8_t* q, int64_t n, const float* sf, int64_t gran, const int16_t* tables,
+                          bool stream, const uint16_t* prefetch) {
+  if (stream) e4m3_rows_by_table<true>(x, q, n, sf, gran, tables, prefetch);
+  else e4m3_rows_by_table<false>(x, q, n, sf, gran, tables, prefetch);
+}
+
 }  // namespace
 
 // Measured on Sapphire Rapids (bench formats --peer-isa avx2: alternating runs, DRAM-sized
@@ -112,6 +207,8 @@ const FormatKernels& format_kernels_avx512() {
     // (1.1-1.4x for the FP4 cast, whose groups of 32 make the amax pass a third of its work).
     t.amax_groups[static_cast<int>(Wide::bf16)] = avx2.amax_groups[static_cast<int>(Wide::bf16)];
     t.amax_accumulate_bf16 = avx2.amax_accumulate_bf16;
+    t.e4m3_tables = &e4m3_tables;
+    t.quantize_e4m3_tables = &quantize_e4m3_tables;
     return t;
   }();
   return table;

@@ -138,6 +138,33 @@ detail::Reciprocals reciprocals(const detail::FormatKernels& kern, const float* 
   return {inv, mantissas == 0};
 }
 
+// Every sf a positive normal number: the scales_from_amax bound holds only then (an inf or NaN
+// amax makes its scale inf or NaN).
+bool all_positive_normal(const float* sf, int64_t n) {
+  uint32_t not_normal = 0;  // no early exit: the loop vectorises
+  for (int64_t i = 0; i < n; ++i) not_normal |= std::bit_cast<uint32_t>(sf[i]) - 0x00800000u >= 0x7f000000u;
+  return not_normal == 0;
+}
+
+// Per-column amaxes of rows [r0, r1) of x over columns [c0, c0 + n): col[c] = max |x[r, c0 + c]|
+// as f32, or NaN where a column holds one. The maxima are taken on |x| bit patterns (integer
+// order is float order for them, and NaN patterns sort above inf), so they are exact, NaN
+// sticky and independent of the order of rows, like amax_groups; bf16 rows on 16-bit patterns
+// where the target has that kernel (acc16: n words of scratch).
+void column_amax(const detail::FormatKernels& kern, const Tensor& x, int64_t r0, int64_t r1, int64_t c0, int64_t n,
+                 std::vector<uint16_t>& acc16, float* col) {
+  const int64_t esize = static_cast<int64_t>(x.element_size());
+  if (x.dtype() == DType::bf16 && kern.amax_accumulate_bf16 != nullptr) {
+    acc16.assign(static_cast<size_t>(n), uint16_t{0});
+    for (int64_t r = r0; r < r1; ++r)
+      kern.amax_accumulate_bf16(reinterpret_cast<const uint16_t*>(row_ptr(x, r) + c0 * esize), n, acc16.data());
+    for (int64_t c = 0; c < n; ++c) col[c] = std::bit_cast<float>(static_cast<uint32_t>(acc16[static_cast<size_t>(c)]) << 16);
+  } else {
+    std::fill(col, col + n, 0.0f);
+    for (int64_t r = r0; r < r1; ++r) kern.amax_accumulate[static_cast<int>(wide_of(x))](row_ptr(x, r) + c0 * esize, n, col);
+  }
+}
+
 void check_scales(const char* fn, const Tensor& sf, const Shape& shape) {
   check_cpu_matrix(fn, "sf", sf, {DType::f32});
   check_shape(fn, "sf", sf, shape);
@@ -225,7 +252,12 @@ void per_block_cast_to_fp8_into(const Tensor& x, const Tensor& q, const Tensor& 
   const int64_t per_strip = ceil_div(groups, strips);
 #pragma omp parallel num_threads(threads_for(m * k))
   {
-    std::vector<float> row_amax(static_cast<size_t>(per_strip));
+    std::vector<float> col(static_cast<size_t>(std::min(k, per_strip * block_k)));
+    std::vector<uint16_t> acc;
+    // bf16 blocks of whole 64-element steps go through per-scale code tables where the target
+    // has them (format_kernels.h), built once for the block's rows.
+    const bool tables_fit = kern.e4m3_tables != nullptr && x.dtype() == DType::bf16 && block_k % 64 == 0;
+    std::vector<int16_t> tables(tables_fit ? static_cast<size_t>(per_strip * detail::kE4m3TableWords) : 0);
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < block_rows * strips; ++item) {
       const int64_t b = item / strips, strip = item % strips;
@@ -233,21 +265,26 @@ void per_block_cast_to_fp8_into(const Tensor& x, const Tensor& q, const Tensor& 
       const int64_t c0 = g0 * block_k, c1 = g1 == groups ? k : g1 * block_k;
       const int64_t r0 = b * block_m, r1 = r0 + std::min(block_m, m - r0);  // no r0 + block_m: may overflow
       float* s = reinterpret_cast<float*>(row_ptr_mut(sf, b)) + g0;
-      std::fill(s, s + (g1 - g0), 0.0f);
-      // Block amax = max over its rows of each row's group amax. The amaxes are |x| (or NaN)
-      // bit patterns, so an integer max keeps NaN sticky exactly as the row kernel does.
-      for (int64_t r = r0; r < r1; ++r) {
-        kern.amax_groups[wide](row_ptr(x, r) + c0 * esize, c1 - c0, block_k, row_amax.data());
-        for (int64_t g = 0; g < g1 - g0; ++g)
-          if (std::bit_cast<int32_t>(row_amax[g]) > std::bit_cast<int32_t>(s[g])) s[g] = row_amax[g];
+      // Block amax = max of its columns' amaxes (bit patterns again: exact, NaN sticky).
+      column_amax(kern, x, r0, r1, c0, c1 - c0, acc, col.data());
+      for (int64_t g = 0; g < g1 - g0; ++g) {
+        int32_t top = 0;
+        for (int64_t c = g * block_k; c < std::min(c1 - c0, (g + 1) * block_k); ++c) top = std::max(top, std::bit_cast<int32_t>(col[c]));
+        s[g] = std::bit_cast<float>(top);
       }
       finish_scales(s, g1 - g0, kE4m3Max, use_ue8m0);
+      const bool by_table = tables_fit && all_positive_normal(s, g1 - g0) && kern.e4m3_tables(s, g1 - g0, tables.data());
       for (int64_t r = r0; r < r1; ++r) {
         const char* next = strip + 1 < strips ? row_ptr(x, r) + c1 * esize
                            : block_m < m - r  ? row_ptr(x, r + block_m)
                                               : nullptr;
-        kern.quantize[static_cast<int>(Narrow::e4m3)][wide](row_ptr(x, r) + c0 * esize, reinterpret_cast<uint8_t*>(row_ptr_mut(q, r)) + c0,
-                                                            c1 - c0, s, block_k, stream, next, true, detail::Reciprocals{});
+        const char* in = row_ptr(x, r) + c0 * esize;
+        uint8_t* out = reinterpret_cast<uint8_t*>(row_ptr_mut(q, r)) + c0;
+        if (by_table)
+          kern.quantize_e4m3_tables(reinterpret_cast<const uint16_t*>(in), out, c1 - c0, s, block_k, tables.data(), stream,
+                                    reinterpret_cast<const uint16_t*>(next));
+        else
+          kern.quantize[static_cast<int>(Narrow::e4m3)][wide](in, out, c1 - c0, s, block_k, stream, next, true, detail::Reciprocals{});
       }
     }
   }
@@ -277,8 +314,6 @@ void per_channel_cast_to_fp8_into(const Tensor& x, const Tensor& q, const Tensor
   const auto& kern = detail::format_kernels();
   const int wide = static_cast<int>(wide_of(x));
   const bool stream = streaming(q);
-  // bf16 amaxes on 16-bit patterns where the target has that kernel (same bits).
-  const bool bf16_acc = x.dtype() == DType::bf16 && kern.amax_accumulate_bf16 != nullptr;
   const int64_t groups = ceil_div(k, gran_k), esize = static_cast<int64_t>(x.element_size());
   // Column strips (strip_columns), 64 columns apart so every strip but the last keeps whole
   // vector blocks; a work item is one strip of one group of rows, as in the per-block cast.
@@ -287,7 +322,7 @@ void per_channel_cast_to_fp8_into(const Tensor& x, const Tensor& q, const Tensor
 #pragma omp parallel num_threads(threads_for(k * mn))
   {
     std::vector<float> inv(static_cast<size_t>(width));  // width <= mn
-    std::vector<uint16_t> acc(bf16_acc ? inv.size() : 0);
+    std::vector<uint16_t> acc;
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < groups * strips; ++item) {
       const int64_t g = item / strips, strip = item % strips;
@@ -295,14 +330,7 @@ void per_channel_cast_to_fp8_into(const Tensor& x, const Tensor& q, const Tensor
       const int64_t r0 = g * gran_k, r1 = r0 + std::min(gran_k, k - r0);
       float* s = reinterpret_cast<float*>(row_ptr_mut(sf, g)) + c0;
       auto at = [&](int64_t r) { return row_ptr(x, r) + c0 * esize; };
-      if (bf16_acc) {
-        std::fill(acc.begin(), acc.end(), uint16_t{0});
-        for (int64_t r = r0; r < r1; ++r) kern.amax_accumulate_bf16(reinterpret_cast<const uint16_t*>(at(r)), n, acc.data());
-        for (int64_t c = 0; c < n; ++c) s[c] = std::bit_cast<float>(static_cast<uint32_t>(acc[static_cast<size_t>(c)]) << 16);
-      } else {
-        std::fill(s, s + n, 0.0f);
-        for (int64_t r = r0; r < r1; ++r) kern.amax_accumulate[wide](at(r), n, s);
-      }
+      column_amax(kern, x, r0, r1, c0, n, acc, s);
       finish_scales(s, n, kE4m3Max, use_ue8m0);
       // The group's rows share these scales: their reciprocals, once, spare the kernel a
       // division per element (and for ue8m0 scales, any check), in the kernel's block order
