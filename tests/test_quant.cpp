@@ -371,13 +371,13 @@ TEST(QuantOracle, PerTokenFp8EveryBf16PatternUnderPowerOfTwoScales) {
 // Per-block casts of bf16 may run on per-scale code tables (formats_avx512.cpp:
 // e4m3_tables): every magnitude pattern within 26 binades below the block's amax (past the
 // zero region), each sign, plus a few tiny ones, under scales with arbitrary mantissas
-// (amax = 2^(8+e)·(1 + j/128), so sf = amax/448 is not a power of two) from 2^-12 to 2^118,
+// (amax = 2^(8+e)·(1 + j/128): sf = amax/448 = 2^k·f with f from 1 to 1.99) from 2^-12 to 2^118,
 // beyond the tables' range at the top. Blocks of 4 rows x 128 columns, element 0 the amax.
 TEST(QuantOracle, PerBlockFp8EveryBf16PatternUnderArbitraryScales) {
   const int64_t block_m = 4, gran = 128, per_block = block_m * gran - 1;
   std::vector<uint16_t> amaxes;
   for (int e : {-20, 0, 7, 91, 110})
-    for (int j : {0x01, 0x2d, 0x60, 0x7f}) amaxes.push_back(static_cast<uint16_t>((0x87 + e) << 7 | j));
+    for (int j : {0x01, 0x2d, 0x5f, 0x60, 0x7f}) amaxes.push_back(static_cast<uint16_t>((0x87 + e) << 7 | j));
   std::vector<std::vector<uint16_t>> contents;  // per block: amax then its patterns
   for (uint16_t amax : amaxes) {
     std::vector<uint16_t> patterns = {0x0000, 0x0001, 0x007f, 0x0080, 0x0100};
@@ -388,6 +388,27 @@ TEST(QuantOracle, PerBlockFp8EveryBf16PatternUnderArbitraryScales) {
       std::vector<uint16_t> block = {amax};
       for (size_t i = at; i < std::min(values.size(), at + per_block); ++i) block.push_back(values[i]);
       while (static_cast<int64_t>(block.size()) < block_m * gran) block.push_back(0x3f80);  // 1.0
+      contents.push_back(std::move(block));
+    }
+  }
+  // The same scales with the tables' region edges (x / 2^k patterns around 0x3a80, half the
+  // least subnormal, and 0x3d00, 2^-5), each alone among normal values in its 64-element
+  // step: a step holding any lane between the two goes wholly to the general kernel, which
+  // would hide a wrong edge in a step shared with such a lane.
+  for (uint16_t amax : amaxes) {
+    int k = 0;
+    std::frexp(bf16_to_f32(amax) / 448.0f, &k);
+    k -= 1;  // sf = 2^k·f, 1 <= f < 2
+    std::vector<int32_t> edges;
+    for (int32_t p = 0x3a70; p <= 0x3a90; ++p) edges.push_back(p);
+    for (int32_t p = 0x3c70; p <= 0x3d10; ++p) edges.push_back(p);
+    for (size_t at = 0; at < edges.size(); at += block_m * gran / 64) {
+      std::vector<uint16_t> block(static_cast<size_t>(block_m * gran), static_cast<uint16_t>(amax - 0x0100));
+      block[0] = amax;
+      for (size_t e = at; e < std::min(edges.size(), at + block_m * gran / 64); ++e) {
+        const size_t step = e - at;
+        block[step * 64 + 1 + step % 63] = static_cast<uint16_t>((edges[e] + k * 128) | (e % 2 ? 0x8000 : 0));
+      }
       contents.push_back(std::move(block));
     }
   }

@@ -49,11 +49,11 @@ struct FormatKernels {
   void (*f32_to_bf16)(const float* x, uint16_t* out, int64_t n);
   void (*bf16_to_f32)(const uint16_t* x, float* out, int64_t n);
   // Per-block casts (many rows under one row of scales): bf16 -> e4m3 through a code table
-  // per scale (formats_avx512.cpp). e4m3_tables fills kE4m3TableWords int16 per scale, or
-  // returns false when a scale is outside what the tables take (then use quantize);
+  // per scale (formats_avx512.cpp). e4m3_tables fills kE4m3TableWords int16 per scale (or
+  // marks a scale the tables cannot take, whose group then goes through the general kernel);
   // quantize_e4m3_tables is quantize of bf16 x to e4m3 with scales_from_amax, gran a multiple
   // of 64. Null on targets without them.
-  bool (*e4m3_tables)(const float* sf, int64_t groups, int16_t* tables);
+  void (*e4m3_tables)(const float* sf, int64_t groups, int16_t* tables);
   void (*quantize_e4m3_tables)(const uint16_t* x, uint8_t* q, int64_t n, const float* sf, int64_t gran,
                                const int16_t* tables, bool stream, const uint16_t* prefetch);
 };

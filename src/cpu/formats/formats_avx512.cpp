@@ -103,28 +103,33 @@ void quantize_e4m3_bf16(const void* x, uint8_t* q, int64_t n, const float* sf, i
 // Lanes with P <= 0x3a80 (x / 2^k <= 2^-10, so the quotient is at most half the least e4m3
 // subnormal) are code 0; those with P >= 0x3d00 (x / 2^k >= 2^-5, the quotient above 2^-6)
 // are normal. A 64-element step holding a lane between (an e4m3 subnormal, or near one) goes
-// through the general kernel, as do the row's last < 64 elements.
+// through the general kernel, as do a group's last < 64 elements.
 constexpr int kTableExponent = 130;  // bf16 exponent field of the probe values (below)
 
 // The table of one scale holds the general kernel's codes of the 128 probes 2^(3+k)·(1 + m/128)
 // (quotients in (4, 16): normal, unsaturated), less their (P >> 4). Scales are taken from 2^-100
 // to below 2^100: the probes are normal bf16 then, and a bf16 subnormal x lands in the zero
-// region (its P stays below 0x3a80).
-bool e4m3_tables(const float* sf, int64_t groups, int16_t* tables) {
+// region (its P stays below 0x3a80). Other scales (and NaN, inf, zero) get kNoTable, and their
+// groups the general kernel.
+constexpr int16_t kNoTable = INT16_MIN;  // (table entries lie in [-1047, -920])
+
+void e4m3_tables(const float* sf, int64_t groups, int16_t* tables) {
   alignas(64) uint16_t probe[kE4m3TableWords];
   uint8_t codes[kE4m3TableWords];
   for (int64_t g = 0; g < groups; ++g) {
+    int16_t* table = tables + g * kE4m3TableWords;
     uint32_t bits;
     std::memcpy(&bits, &sf[g], 4);
     const int32_t exponent = static_cast<int32_t>(bits >> 23);  // sign bit set: out of range
-    if (exponent < 127 - 100 || exponent >= 127 + 100) return false;
+    if (exponent < 127 - 100 || exponent >= 127 + 100) {
+      table[0] = kNoTable;
+      continue;
+    }
     const int32_t k = exponent - 127;
     for (int m = 0; m < kE4m3TableWords; ++m) probe[m] = static_cast<uint16_t>((kTableExponent + k) << 7 | m);
     quantize_span<E4M3, uint16_t, false, false, false>(probe, codes, kE4m3TableWords, sf + g, Reciprocals{}, nullptr);
-    for (int m = 0; m < kE4m3TableWords; ++m)
-      tables[g * kE4m3TableWords + m] = static_cast<int16_t>(codes[m] - ((kTableExponent << 7 | m) >> 4));
+    for (int m = 0; m < kE4m3TableWords; ++m) table[m] = static_cast<int16_t>(codes[m] - ((kTableExponent << 7 | m) >> 4));
   }
-  return true;
 }
 
 // Constants of table_codes, set up once per call so that they stay in registers.
@@ -153,14 +158,20 @@ template <bool Stream>
 void e4m3_rows_by_table(const uint16_t* x, uint8_t* q, int64_t n, const float* sf, int64_t gran, const int16_t* tables,
                         const uint16_t* prefetch) {
   const TableConstants c;
-  int64_t i = 0;
-  for (int64_t g = 0; i + 64 <= n; ++g) {
+  for (int64_t g = 0, i = 0; i < n; ++g) {
+    const int64_t end = min64(n, (g + 1) * gran);
+    const int16_t* table = tables + g * kE4m3TableWords;
+    if (table[0] == kNoTable) {  // (the scale may be inf or NaN: no bound)
+      quantize_span<E4M3, uint16_t, false, false, false>(x + i, q + i, end - i, sf + g, Reciprocals{}, nullptr);
+      i = end;
+      continue;
+    }
     __m512i t[4];
-    for (int j = 0; j < 4; ++j) t[j] = _mm512_loadu_si512(tables + g * kE4m3TableWords + 32 * j);
+    for (int j = 0; j < 4; ++j) t[j] = _mm512_loadu_si512(table + 32 * j);
     uint32_t bits;
     std::memcpy(&bits, &sf[g], 4);
     const __m512i shift = _mm512_set1_epi16(static_cast<int16_t>((static_cast<int32_t>(bits >> 23) - 127) * 128));
-    for (const int64_t end = min64(n, (g + 1) * gran); i + 64 <= end; i += 64) {
+    for (; i + 64 <= end; i += 64) {
       if (prefetch) prefetch_block(prefetch + i);
       __mmask32 unsure = 0;
       const __m512i lo = table_codes(_mm512_loadu_si512(x + i), t, shift, c, unsure);
@@ -173,8 +184,9 @@ void e4m3_rows_by_table(const uint16_t* x, uint8_t* q, int64_t n, const float* s
       if (Stream && (reinterpret_cast<uintptr_t>(q + i) & 63) == 0) _mm512_stream_si512(reinterpret_cast<__m512i*>(q + i), codes);
       else _mm512_storeu_si512(q + i, codes);
     }
+    if (i < end) quantize_span<E4M3, uint16_t, false, false, true>(x + i, q + i, end - i, sf + g, Reciprocals{}, nullptr);
+    i = end;
   }
-  if (i < n) quantize_span<E4M3, uint16_t, false, false, true>(x + i, q + i, n - i, sf + i / gran, Reciprocals{}, nullptr);
   if (Stream) _mm_sfence();
 }
 

@@ -138,14 +138,6 @@ detail::Reciprocals reciprocals(const detail::FormatKernels& kern, const float* 
   return {inv, mantissas == 0};
 }
 
-// Every sf a positive normal number: the scales_from_amax bound holds only then (an inf or NaN
-// amax makes its scale inf or NaN).
-bool all_positive_normal(const float* sf, int64_t n) {
-  uint32_t not_normal = 0;  // no early exit: the loop vectorises
-  for (int64_t i = 0; i < n; ++i) not_normal |= std::bit_cast<uint32_t>(sf[i]) - 0x00800000u >= 0x7f000000u;
-  return not_normal == 0;
-}
-
 // Per-column amaxes of rows [r0, r1) of x over columns [c0, c0 + n): col[c] = max |x[r, c0 + c]|
 // as f32, or NaN where a column holds one. The maxima are taken on |x| bit patterns (integer
 // order is float order for them, and NaN patterns sort above inf), so they are exact, NaN
@@ -273,14 +265,14 @@ void per_block_cast_to_fp8_into(const Tensor& x, const Tensor& q, const Tensor& 
         s[g] = std::bit_cast<float>(top);
       }
       finish_scales(s, g1 - g0, kE4m3Max, use_ue8m0);
-      const bool by_table = tables_fit && all_positive_normal(s, g1 - g0) && kern.e4m3_tables(s, g1 - g0, tables.data());
+      if (tables_fit) kern.e4m3_tables(s, g1 - g0, tables.data());
       for (int64_t r = r0; r < r1; ++r) {
         const char* next = strip + 1 < strips ? row_ptr(x, r) + c1 * esize
                            : block_m < m - r  ? row_ptr(x, r + block_m)
                                               : nullptr;
         const char* in = row_ptr(x, r) + c0 * esize;
         uint8_t* out = reinterpret_cast<uint8_t*>(row_ptr_mut(q, r)) + c0;
-        if (by_table)
+        if (tables_fit)
           kern.quantize_e4m3_tables(reinterpret_cast<const uint16_t*>(in), out, c1 - c0, s, block_k, tables.data(), stream,
                                     reinterpret_cast<const uint16_t*>(next));
         else
