@@ -196,6 +196,51 @@ void quantize_e4m3_tables(const uint16_t* x, uint8_t* q, int64_t n, const float*
   else e4m3_rows_by_table<false>(x, q, n, sf, gran, tables, prefetch);
 }
 
+// ---- e2m1 dequantisation through a table per scale ----
+// A group's outputs are one of 16 values, wide(decode(c)·sf) for the 16 codes c: computed
+// once per group (one vmulps of the signed magnitudes, the same products the general kernel
+// forms, then its bf16 rounding), they make a table that vpermw (bf16: 32 outputs) or vpermps
+// (f32: 16) indexes by the codes themselves. Index words (dwords) are the bytes' low and high
+// nibbles in element order; bits the permutes ignore may hold anything.
+using DequantizeKernel = void (*)(const uint8_t*, void*, int64_t, const float*, int64_t);
+DequantizeKernel g_e2m1_general[2] = {nullptr, nullptr};  // the generic kernels, for tails and other groups
+
+inline __m512 e2m1_values(float sf) {
+  static constexpr float kSigned[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                                        -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+  return _mm512_mul_ps(_mm512_loadu_ps(kSigned), _mm512_set1_ps(sf));
+}
+
+template <class Out>
+void dequantize_e2m1_tables(const uint8_t* q, void* outv, int64_t n, const float* sf, int64_t gran) {
+  const int wide = std::is_same_v<Out, float> ? static_cast<int>(Wide::f32) : static_cast<int>(Wide::bf16);
+  if (gran % 32 != 0) return g_e2m1_general[wide](q, outv, n, sf, gran);
+  Out* out = static_cast<Out*>(outv);
+  const __m512i low_nibble = _mm512_set1_epi32(0x0f);
+  for (int64_t g = 0, i = 0; i < n; ++g) {
+    const int64_t end = min64(n, (g + 1) * gran);
+    const __m512 values = e2m1_values(sf[g]);
+    if constexpr (std::is_same_v<Out, float>) {
+      for (; i + 16 <= end; i += 16) {
+        const __m512i b = _mm512_cvtepu8_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + i / 2)));
+        // dword 2j: byte j's low nibble; dword 2j + 1: its high nibble (b << 28, above bit 31)
+        const __m512i idx = _mm512_ternarylogic_epi64(b, _mm512_slli_epi64(b, 28), _mm512_set1_epi64(0x0f), 0xec);
+        _mm512_storeu_ps(out + i, _mm512_permutexvar_ps(idx, values));
+      }
+    } else {
+      const __m512i table = _mm512_castsi256_si512(_mm512_cvtepi32_epi16(bf16_bits(values)));  // 16 words
+      for (; i + 32 <= end; i += 32) {
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i / 2)));
+        // word 2j: byte j's low nibble (bits 12-15 from the shift are ignored); word 2j + 1: high
+        const __m512i idx = _mm512_ternarylogic_epi32(b, _mm512_slli_epi32(b, 12), low_nibble, 0xec);
+        _mm512_storeu_si512(out + i, _mm512_permutexvar_epi16(idx, table));
+      }
+    }
+    if (i < end) g_e2m1_general[wide](q + i / 2, out + i, end - i, sf + g, end - i);
+    i = end;
+  }
+}
+
 }  // namespace
 
 // Measured on Sapphire Rapids (bench formats --peer-isa avx2: alternating runs, DRAM-sized
@@ -219,6 +264,10 @@ const FormatKernels& format_kernels_avx512() {
     // (1.1-1.4x for the FP4 cast, whose groups of 32 make the amax pass a third of its work).
     t.amax_groups[static_cast<int>(Wide::bf16)] = avx2.amax_groups[static_cast<int>(Wide::bf16)];
     t.amax_accumulate_bf16 = avx2.amax_accumulate_bf16;
+    // e2m1 -> wide by tables (above): measured 2026-12-01 on the AMX host, see docs/FORMATS.md.
+    for (int wide = 0; wide < 2; ++wide) g_e2m1_general[wide] = t.dequantize[static_cast<int>(Narrow::e2m1)][wide];
+    t.dequantize[static_cast<int>(Narrow::e2m1)][static_cast<int>(Wide::f32)] = &dequantize_e2m1_tables<float>;
+    t.dequantize[static_cast<int>(Narrow::e2m1)][static_cast<int>(Wide::bf16)] = &dequantize_e2m1_tables<uint16_t>;
     t.e4m3_tables = &e4m3_tables;
     t.quantize_e4m3_tables = &quantize_e4m3_tables;
     return t;
