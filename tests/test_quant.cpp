@@ -877,7 +877,7 @@ TEST(QuantCastBack, Bf16OutputIsRneOfTheF32Product) {
 }
 
 // Every code under scales the fast dequantisation path must not take (|sf| ≥ 2^120, where
-// sf·2^8 overflows; inf; NaN) and under ordinary ones around them (negative, zero, f32
+// sf·2^8 overflows; inf; NaN, one with a payload) and under ordinary ones around them (negative, zero, f32
 // subnormal, products that round up to inf in bf16), for each group layout (gran 32 and 256:
 // block loop; gran = k = 1024: span loop) and output type. Every ISA must give the oracle's
 // value and the scalar ISA's exact bytes, except that where both the code and the scale are
@@ -898,7 +898,8 @@ template <class NanTimesNan>
 TEST(QuantCastBack, EveryCodeUnderExtremeScales) {
   // 0x1.fffp119 times the code 256 is 0x1.fffp127, a finite f32 that rounds to inf in bf16.
   const float scales[] = {0x1.8p119f, 0x1p120f, 0x1.fffffep127f, INFINITY, -INFINITY, NAN, -2.5f, 0.0f, -0.0f,
-                          1e-40f, 0x1.4p-126f, 0x1.fep119f, 0x1.fffp119f, 1.0f};
+                          1e-40f, 0x1.4p-126f, 0x1.fep119f, 0x1.fffp119f, 1.0f,
+                          std::bit_cast<float>(0x7f80ffffu)};  // a signalling NaN whose payload carries when rounded
   constexpr int64_t kScales = std::size(scales);
   for (bool fp4 : {false, true}) {
     const int64_t k = fp4 ? 512 : 256;  // every byte once: 256 e4m3 codes, or all 256 nibble pairs
