@@ -196,6 +196,85 @@ void quantize_e4m3_tables(const uint16_t* x, uint8_t* q, int64_t n, const float*
   else e4m3_rows_by_table<false>(x, q, n, sf, gran, tables, prefetch);
 }
 
+// ---- e2m1 casts of bf16 by thresholds per scale ----
+// An e2m1 code counts the rounding boundaries b = 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5 that
+// q = RN(|x| / sf) passes: q > b where the tie goes down (to the even code), q >= b where it
+// goes up (0.75, 1.75, 3.5). In f32, q > b iff |x| / sf > b + ulp(b)/2 (the tie at b + ulp/2
+// rounds to b, which is even), and q >= b iff |x| / sf >= b - ulp(b)/2; those bounds times
+// sf are exact in f64 (at most 26 + 24 significant bits), and the first bf16 at or above
+// (strictly above) that product is the group's threshold T_b. Since q is monotone in |x|, a
+// code is the number of thresholds the |x| pattern reaches: seven 16-bit compares for 32
+// lanes, no division and no widening. The thresholds of 16 groups take 14 f64 multiplies.
+struct E2m1Bound {
+  double value;
+  bool strict;
+};
+constexpr E2m1Bound kE2m1Bounds[7] = {{0.25 + 0x1p-26, true}, {0.75 - 0x1p-25, false}, {1.25 + 0x1p-24, true},
+                                      {1.75 - 0x1p-24, false}, {2.5 + 0x1p-23, true},  {3.5 - 0x1p-23, false},
+                                      {5.0 + 0x1p-22, true}};
+constexpr int64_t kE2m1Chunk = 64;  // groups whose thresholds are made at a time
+
+// thresholds[b * kE2m1Chunk + g]: T_b of group g < groups <= kE2m1Chunk; every sf positive normal.
+void e2m1_thresholds(const float* sf, int64_t groups, uint16_t* thresholds) {
+  for (int64_t g0 = 0; g0 < groups; g0 += 8) {
+    const __mmask8 live = static_cast<__mmask8>(groups - g0 >= 8 ? 0xff : (1u << (groups - g0)) - 1);
+    const __m512d s = _mm512_cvtps_pd(_mm256_maskz_loadu_ps(live, sf + g0));
+    for (int b = 0; b < 7; ++b) {
+      __m512d bound = _mm512_mul_pd(s, _mm512_set1_pd(kE2m1Bounds[b].value));
+      if (kE2m1Bounds[b].strict)  // the next double up: bf16 values above the bound reach it
+        bound = _mm512_castsi512_pd(_mm512_add_epi64(_mm512_castpd_si512(bound), _mm512_set1_epi64(1)));
+      const __m256 up = _mm512_cvt_roundpd_ps(bound, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC);  // first f32 >= bound
+      const __m256i bf16_up = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(up), _mm256_set1_epi32(0xffff)), 16);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(thresholds + b * kE2m1Chunk + g0), _mm256_cvtepi32_epi16(bf16_up));
+    }
+  }
+}
+
+// Nibbles of 32 lanes: the count of thresholds |x| reaches, and the sign bit (bit 3).
+inline __m128i e2m1_codes(__m512i v, const uint16_t* t) {  // t[b * kE2m1Chunk]: T_b
+  const __m512i magnitude = _mm512_and_si512(v, _mm512_set1_epi16(0x7fff));
+  __m512i code = _mm512_setzero_si512();
+  for (int b = 0; b < 7; ++b)
+    code = _mm512_mask_sub_epi16(code, _mm512_cmpge_epu16_mask(magnitude, _mm512_set1_epi16(static_cast<int16_t>(t[b * kE2m1Chunk]))), code,
+                                 _mm512_set1_epi16(-1));
+  code = _mm512_ternarylogic_epi32(code, _mm512_srli_epi16(v, 12), _mm512_set1_epi16(0x8), 0xf8);  // | sign
+  // dword d holds codes 2d (low word) and 2d + 1 (high word): byte = low | high << 4
+  return _mm512_cvtepi32_epi8(_mm512_or_si512(code, _mm512_srli_epi32(code, 12)));
+}
+
+QuantizeKernel g_e2m1_bf16_general = nullptr;  // for rows the thresholds do not take, and tails
+
+void quantize_e2m1_bf16(const void* xv, uint8_t* q, int64_t n, const float* sf, int64_t gran, bool stream,
+                        const void* prefetch, bool scales_from_amax, Reciprocals inv) {
+  const int64_t groups = ceil_div(n, gran);
+  bool take = scales_from_amax && gran % 32 == 0 && n >= 64;
+  for (int64_t g = 0; take && g < groups; ++g) {  // positive normal scales: the bound holds
+    uint32_t bits;
+    std::memcpy(&bits, &sf[g], 4);
+    take = bits - 0x00800000u < 0x7f000000u;
+  }
+  if (!take) return g_e2m1_bf16_general(xv, q, n, sf, gran, stream, prefetch, scales_from_amax, inv);
+  const auto* x = static_cast<const uint16_t*>(xv);
+  const auto* next = static_cast<const uint16_t*>(prefetch);
+  alignas(64) uint16_t thresholds[7 * kE2m1Chunk + 8];  // (+8: the last 8-group store of a bound)
+  int64_t i = 0;
+  for (int64_t g0 = 0; g0 < groups; g0 += kE2m1Chunk) {
+    const int64_t chunk = min64(kE2m1Chunk, groups - g0);
+    e2m1_thresholds(sf + g0, chunk, thresholds);
+    for (int64_t g = g0; g < g0 + chunk; ++g) {
+      const uint16_t* t = thresholds + (g - g0);
+      for (const int64_t end = min64(n, (g + 1) * gran); i + 32 <= end; i += 32) {
+        if (next) __builtin_prefetch(next + i, 0, 2);
+        const __m128i codes = e2m1_codes(_mm512_loadu_si512(x + i), t);
+        if (stream && (reinterpret_cast<uintptr_t>(q + i / 2) & 15) == 0) _mm_stream_si128(reinterpret_cast<__m128i*>(q + i / 2), codes);
+        else _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i / 2), codes);
+      }
+    }
+  }
+  if (stream) _mm_sfence();
+  if (i < n) g_e2m1_bf16_general(x + i, q + i / 2, n - i, sf + i / gran, gran, false, nullptr, scales_from_amax, inv);
+}
+
 // ---- e2m1 dequantisation through a table per scale ----
 // A group's outputs are one of 16 values, wide(decode(c)·sf) for the 16 codes c: computed
 // once per group (one vmulps of the signed magnitudes, the same products the general kernel
@@ -268,6 +347,8 @@ const FormatKernels& format_kernels_avx512() {
     for (int wide = 0; wide < 2; ++wide) g_e2m1_general[wide] = t.dequantize[static_cast<int>(Narrow::e2m1)][wide];
     t.dequantize[static_cast<int>(Narrow::e2m1)][static_cast<int>(Wide::f32)] = &dequantize_e2m1_tables<float>;
     t.dequantize[static_cast<int>(Narrow::e2m1)][static_cast<int>(Wide::bf16)] = &dequantize_e2m1_tables<uint16_t>;
+    g_e2m1_bf16_general = t.quantize[static_cast<int>(Narrow::e2m1)][static_cast<int>(Wide::bf16)];
+    t.quantize[static_cast<int>(Narrow::e2m1)][static_cast<int>(Wide::bf16)] = &quantize_e2m1_bf16;
     t.e4m3_tables = &e4m3_tables;
     t.quantize_e4m3_tables = &quantize_e4m3_tables;
     return t;
