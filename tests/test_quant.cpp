@@ -368,6 +368,33 @@ TEST(QuantOracle, PerTokenFp8EveryBf16PatternUnderPowerOfTwoScales) {
   check_every_bf16_pattern(Cast::token_fp8, 448.0f, 32, {3});
 }
 
+// FP4 casts of bf16 may count per-scale thresholds (formats_avx512.cpp: e2m1_thresholds):
+// every magnitude pattern within 10 binades below the group's amax, each sign, under the
+// scales sf = RN(amax / 6) of 256 amaxes (every bf16 mantissa at two exponents). Among them,
+// x = amax / 8 sits within an f32 ulp of the 0.75 boundary, on either side depending on how
+// amax / 6 rounded: the boundary's half-ulp rule decides its code.
+TEST(QuantOracle, PerTokenFp4EveryBf16PatternUnderArbitraryScales) {
+  const int64_t gran = 32, per_group = gran - 1;
+  std::vector<uint16_t> values;
+  for (int e : {0, -3})
+    for (int j = 0; j < 128; ++j) {
+      const uint16_t amax = static_cast<uint16_t>((0x81 + e) << 7 | j);  // 6·2^e·(1 + j/128)/1.5
+      std::vector<uint16_t> patterns;
+      for (int32_t p = amax - 0x500; p <= amax; ++p) patterns.insert(patterns.end(), {static_cast<uint16_t>(p), static_cast<uint16_t>(p | 0x8000)});
+      for (size_t at = 0; at < patterns.size(); at += per_group) {
+        values.push_back(amax);
+        for (size_t i = at; i < at + per_group; ++i) values.push_back(i < patterns.size() ? patterns[i] : amax);
+      }
+    }
+  Tensor x = Tensor::empty({1, static_cast<int64_t>(values.size())}, DType::bf16);
+  std::copy(values.begin(), values.end(), x.data_ptr<uint16_t>());
+  const Case c{1, x.size(1), gran};
+  for (bool ue8m0 : {false, true}) {
+    SCOPED_TRACE(describe(Cast::token_fp4, c, DType::bf16, ue8m0));
+    expect_oracle_under_every_isa(Cast::token_fp4, x, ue8m0, c);
+  }
+}
+
 // Per-block casts of bf16 may run on per-scale code tables (formats_avx512.cpp:
 // e4m3_tables): every magnitude pattern within 26 binades below the block's amax (past the
 // zero region), each sign, plus a few tiny ones, under scales with arbitrary mantissas
