@@ -58,11 +58,13 @@ std::pair<Timing, Timing> time_interleaved(const std::function<void()>& fn, cons
 void RunCeilings::remeasure() {
   if (with_flops) bf16_tflops = std::max(bf16_tflops, measure_bf16_flops(quick ? 1 : 2) / 1e12);
   read_gbps = std::max(read_gbps, measure_read_bandwidth(dram_working_set(int64_t{512} << 20), quick ? 1 : 2) / 1e9);
+  if (with_copy) copy_gbps = std::max(copy_gbps, measure_copy_bandwidth(dram_working_set(int64_t{512} << 20), quick ? 1 : 2) / 1e9);
 }
 
 void RunCeilings::finish(Row& row) const {
   if (row.ceiling == "bf16_flops") row.ceiling_value = bf16_tflops;
   else if (row.ceiling == "read_bw") row.ceiling_value = read_gbps;
+  else if (row.ceiling == "copy_bw") row.ceiling_value = copy_gbps;
   if (row.roofline_bytes < 0 || row.roofline_flops < 0 || read_gbps <= 0 || bf16_tflops <= 0) return;
   const double t_mem = row.roofline_bytes / (read_gbps * 1e9), t_flop = row.roofline_flops / (bf16_tflops * 1e12);
   row.notes["bound"] = t_mem >= t_flop ? "memory" : "compute";
@@ -72,6 +74,7 @@ void RunCeilings::finish(Row& row) const {
 std::map<std::string, double> RunCeilings::header() const {
   std::map<std::string, double> out{{"read_bw_GBps", read_gbps}};
   if (with_flops) out["bf16_flops_TFLOPs"] = bf16_tflops;
+  if (with_copy) out["copy_bw_GBps"] = copy_gbps;
   return out;
 }
 

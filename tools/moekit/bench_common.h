@@ -51,12 +51,13 @@ struct Row {
 // whole run (the header prints the same figures).
 // The read bandwidth is always measured; the bf16 FLOP/s ceiling where with_flops.
 struct RunCeilings {
-  RunCeilings(bool with_flops, bool quick) : with_flops(with_flops), quick(quick) {}
+  // with_copy: also the copy bandwidth, the ceiling of rows that write more than they read.
+  RunCeilings(bool with_flops, bool quick, bool with_copy = false) : with_flops(with_flops), with_copy(with_copy), quick(quick) {}
   void remeasure();
   void finish(Row& row) const;
   std::map<std::string, double> header() const;
-  double bf16_tflops = 0, read_gbps = 0;
-  bool with_flops, quick;
+  double bf16_tflops = 0, read_gbps = 0, copy_gbps = 0;
+  bool with_flops, with_copy, quick;
 };
 
 struct Reporter {

@@ -120,6 +120,23 @@ double read_bandwidth(const Buffer& b, int threads, int repeats, void (*loop)(co
   return static_cast<double>(b.bytes / 4096 * 4096) / t;
 }
 
+// Copy bandwidth (read + write bytes, as STREAM counts) on `threads` threads, each way.
+void copy_bandwidths(std::vector<Ceiling>& out, const Buffer& src, const Buffer& dst, int threads, int repeats) {
+  const double copied = 2.0 * static_cast<double>(src.bytes / 4096 * 4096);
+  const double t_memcpy = best_time(threads, repeats, [&](int id, int n) {
+    const auto [begin, len] = share(src.bytes, id, n);
+    std::memcpy(dst.data.get() + begin, src.data.get() + begin, static_cast<size_t>(len));
+  });
+  keep_best(out, {"copy_bw", "memcpy", threads, copied / t_memcpy});
+  if (isa_supported(Isa::avx2)) {
+    const double t_stream = best_time(threads, repeats, [&](int id, int n) {
+      const auto [begin, len] = share(src.bytes, id, n);
+      kernels::copy_stream_avx2(src.data.get() + begin, dst.data.get() + begin, len);
+    });
+    keep_best(out, {"copy_bw", "avx2 loads + non-temporal stores", threads, copied / t_stream});
+  }
+}
+
 }  // namespace
 
 double measure_bf16_flops(int repeats) {
@@ -195,22 +212,18 @@ std::vector<Ceiling> measure_peak(const PeakOptions& options) {
       keep_best(out, {"read_bw", "avx512 loads, 4 xor chains", t, read_bandwidth(src, t, options.repeats, &kernels::read_avx512)});
   }
   const Buffer dst = make_buffer(options.bandwidth_bytes, all);
-  const double copied = 2.0 * static_cast<double>(src.bytes / 4096 * 4096);  // read + write, as STREAM counts
-  for (int t : counts) {
-    const double t_memcpy = best_time(t, options.repeats, [&](int id, int n) {
-      const auto [begin, len] = share(src.bytes, id, n);
-      std::memcpy(dst.data.get() + begin, src.data.get() + begin, static_cast<size_t>(len));
-    });
-    keep_best(out, {"copy_bw", "memcpy", t, copied / t_memcpy});
-    if (isa_supported(Isa::avx2)) {
-      const double t_stream = best_time(t, options.repeats, [&](int id, int n) {
-        const auto [begin, len] = share(src.bytes, id, n);
-        kernels::copy_stream_avx2(src.data.get() + begin, dst.data.get() + begin, len);
-      });
-      keep_best(out, {"copy_bw", "avx2 loads + non-temporal stores", t, copied / t_stream});
-    }
-  }
+  for (int t : counts) copy_bandwidths(out, src, dst, t, options.repeats);
   return out;
+}
+
+double measure_copy_bandwidth(int64_t bytes, int repeats) {
+  const int threads = num_threads();
+  const Buffer src = make_buffer(bytes, threads), dst = make_buffer(bytes, threads);
+  std::vector<Ceiling> out;
+  copy_bandwidths(out, src, dst, threads, repeats);
+  double best = 0;
+  for (const Ceiling& c : out) best = std::max(best, c.value);
+  return best;
 }
 
 }  // namespace moekit::tools

@@ -31,6 +31,8 @@ int64_t dram_working_set(int64_t floor);
 double measure_bf16_flops(int repeats);
 // The best all-thread read bandwidth (bytes/s), measured quickly for benchmark suites.
 double measure_read_bandwidth(int64_t bytes, int repeats);
+// The best all-thread copy bandwidth (read + write bytes/s), likewise.
+double measure_copy_bandwidth(int64_t bytes, int repeats);
 
 
 // ISA-specific loops (peak_avx2.cpp / peak_avx512.cpp). Each returns the operations done.
