@@ -56,6 +56,11 @@ struct FormatKernels {
   void (*e4m3_tables)(const float* sf, int64_t groups, int16_t* tables);
   void (*quantize_e4m3_tables)(const uint16_t* x, uint8_t* q, int64_t n, const float* sf, int64_t gran,
                                const int16_t* tables, bool stream, const uint16_t* prefetch);
+  // Per-channel casts under power-of-two scales 2^k_i (one per element): the same with
+  // shift[i] = k_i << 7 (-100 <= k_i < 100) and the table of the scale 1.0. Null where
+  // e4m3_tables is.
+  void (*quantize_e4m3_shifts)(const uint16_t* x, uint8_t* q, int64_t n, const float* sf, const int16_t* shift,
+                               const int16_t* unit_table, bool stream, const uint16_t* prefetch);
 };
 inline constexpr int64_t kE4m3TableWords = 128;
 

@@ -100,6 +100,9 @@ void quantize_e4m3_bf16(const void* x, uint8_t* q, int64_t n, const float* sf, i
 // tables cost under 1 % of the elements' work; per-token scales change every group, and keep
 // the reciprocal path. Measured on a 2-vCPU Xeon (AMX host, 2026-12-01): see docs/FORMATS.md.
 //
+// The same holds lane by lane: with a shift per lane and one table, scales that differ by
+// powers of two only (per-channel ue8m0 scales) share the unit scale's table.
+//
 // Lanes with P <= 0x3a80 (x / 2^k <= 2^-10, so the quotient is at most half the least e4m3
 // subnormal) are code 0; those with P >= 0x3d00 (x / 2^k >= 2^-5, the quotient above 2^-6)
 // are normal. A 64-element step holding a lane between (an e4m3 subnormal, or near one) goes
@@ -188,6 +191,38 @@ void e4m3_rows_by_table(const uint16_t* x, uint8_t* q, int64_t n, const float* s
     i = end;
   }
   if (Stream) _mm_sfence();
+}
+
+// Per-channel casts under power-of-two scales: one scale 2^k_i per element (column), so every
+// lane has its own shift and all share the unit scale's table.
+template <bool Stream>
+void e4m3_rows_by_shifts(const uint16_t* x, uint8_t* q, int64_t n, const float* sf, const int16_t* shift,
+                         const int16_t* unit_table, const uint16_t* prefetch) {
+  const TableConstants c;
+  __m512i t[4];
+  for (int j = 0; j < 4; ++j) t[j] = _mm512_loadu_si512(unit_table + 32 * j);
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    if (prefetch) prefetch_block(prefetch + i);
+    __mmask32 unsure = 0;
+    const __m512i lo = table_codes(_mm512_loadu_si512(x + i), t, _mm512_loadu_si512(shift + i), c, unsure);
+    const __m512i hi = table_codes(_mm512_loadu_si512(x + i + 32), t, _mm512_loadu_si512(shift + i + 32), c, unsure);
+    if (unsure) {
+      quantize_span<E4M3, uint16_t, true, false, false>(x + i, q + i, 64, sf + i, Reciprocals{}, nullptr);
+      continue;
+    }
+    const __m512i codes = _mm512_permutexvar_epi64(c.qword_order, _mm512_packus_epi16(lo, hi));
+    if (Stream && (reinterpret_cast<uintptr_t>(q + i) & 63) == 0) _mm512_stream_si512(reinterpret_cast<__m512i*>(q + i), codes);
+    else _mm512_storeu_si512(q + i, codes);
+  }
+  if (i < n) quantize_span<E4M3, uint16_t, true, false, false>(x + i, q + i, n - i, sf + i, Reciprocals{}, nullptr);
+  if (Stream) _mm_sfence();
+}
+
+void quantize_e4m3_shifts(const uint16_t* x, uint8_t* q, int64_t n, const float* sf, const int16_t* shift,
+                          const int16_t* unit_table, bool stream, const uint16_t* prefetch) {
+  if (stream) e4m3_rows_by_shifts<true>(x, q, n, sf, shift, unit_table, prefetch);
+  else e4m3_rows_by_shifts<false>(x, q, n, sf, shift, unit_table, prefetch);
 }
 
 void quantize_e4m3_tables(const uint16_t* x, uint8_t* q, int64_t n, const float* sf, int64_t gran, const int16_t* tables,
@@ -351,6 +386,7 @@ const FormatKernels& format_kernels_avx512() {
     t.quantize[static_cast<int>(Narrow::e2m1)][static_cast<int>(Wide::bf16)] = &quantize_e2m1_bf16;
     t.e4m3_tables = &e4m3_tables;
     t.quantize_e4m3_tables = &quantize_e4m3_tables;
+    t.quantize_e4m3_shifts = &quantize_e4m3_shifts;
     return t;
   }();
   return table;

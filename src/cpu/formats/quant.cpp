@@ -169,6 +169,19 @@ void column_amax(const detail::FormatKernels& kern, const Tensor& x, int64_t r0,
     for (int64_t c = 0; c < n; ++c) col[c] = std::bit_cast<float>(static_cast<uint32_t>(acc16[static_cast<size_t>(c)]) << 16);
 }
 
+// shift[i] = k << 7 for sf[i] = 2^k, -100 <= k < 100 (quantize_e4m3_shifts); false, with
+// shift unspecified, when some sf is not such a power of two.
+bool power_of_two_shifts(const float* sf, int64_t n, int16_t* shift) {
+  uint32_t other = 0;  // no early exit: the loop vectorises
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t bits = std::bit_cast<uint32_t>(sf[i]);
+    const int32_t k = static_cast<int32_t>(bits >> 23) - 127;  // (sign bit set: far out of range)
+    other |= static_cast<uint32_t>((bits & 0x007fffffu) != 0) | static_cast<uint32_t>(k < -100 || k >= 100);
+    shift[i] = static_cast<int16_t>(k * 128);
+  }
+  return other == 0;
+}
+
 void check_scales(const char* fn, const Tensor& sf, const Shape& shape) {
   check_cpu_matrix(fn, "sf", sf, {DType::f32});
   check_shape(fn, "sf", sf, shape);
@@ -323,10 +336,17 @@ void per_channel_cast_to_fp8_into(const Tensor& x, const Tensor& q, const Tensor
   // vector blocks; a work item is one strip of one group of rows, as in the per-block cast.
   const int64_t width = strip_columns(std::min(gran_k, k), mn, esize, 64);
   const int64_t strips = std::max<int64_t>(1, ceil_div(mn, std::max<int64_t>(1, width)));
+  // bf16 under ue8m0 scales: per-element shifts and the unit scale's code table where the
+  // target has them (format_kernels.h: quantize_e4m3_shifts).
+  const bool shifts_fit = kern.quantize_e4m3_shifts != nullptr && x.dtype() == DType::bf16 && use_ue8m0;
+  alignas(64) int16_t unit_table[detail::kE4m3TableWords];
+  const float unit = 1.0f;
+  if (shifts_fit) kern.e4m3_tables(&unit, 1, unit_table);
 #pragma omp parallel num_threads(threads_for(k * mn))
   {
     std::vector<float> inv(static_cast<size_t>(width));  // width <= mn
     std::vector<uint16_t> acc;
+    std::vector<int16_t> shift(shifts_fit ? inv.size() : 0);
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < groups * strips; ++item) {
       const int64_t g = item / strips, strip = item % strips;
@@ -339,13 +359,18 @@ void per_channel_cast_to_fp8_into(const Tensor& x, const Tensor& q, const Tensor
       // The group's rows share these scales: their reciprocals, once, spare the kernel a
       // division per element (and for ue8m0 scales, any check), in the kernel's block order
       // so that it loads them without shuffles.
-      const detail::Reciprocals recip = reciprocals(kern, s, n, inv.data());
+      const bool by_shifts = shifts_fit && power_of_two_shifts(s, n, shift.data());
+      const detail::Reciprocals recip = by_shifts ? detail::Reciprocals{} : reciprocals(kern, s, n, inv.data());
       for (int64_t r = r0; r < r1; ++r) {
         const char* next = strip + 1 < strips ? row_ptr(x, r) + (c0 + width) * esize
                            : gran_k < k - r   ? row_ptr(x, r + gran_k)
                                               : nullptr;
-        kern.quantize[static_cast<int>(Narrow::e4m3)][wide](at(r), reinterpret_cast<uint8_t*>(row_ptr_mut(q, r)) + c0, n, s, 1, stream,
-                                                            next, true, recip);
+        uint8_t* out = reinterpret_cast<uint8_t*>(row_ptr_mut(q, r)) + c0;
+        if (by_shifts)
+          kern.quantize_e4m3_shifts(reinterpret_cast<const uint16_t*>(at(r)), out, n, s, shift.data(), unit_table, stream,
+                                    reinterpret_cast<const uint16_t*>(next));
+        else
+          kern.quantize[static_cast<int>(Narrow::e4m3)][wide](at(r), out, n, s, 1, stream, next, true, recip);
       }
     }
   }
