@@ -105,8 +105,8 @@ void quantize_e4m3_bf16(const void* x, uint8_t* q, int64_t n, const float* sf, i
 //
 // Lanes with P <= 0x3a80 (x / 2^k <= 2^-10, so the quotient is at most half the least e4m3
 // subnormal) are code 0; those with P >= 0x3d00 (x / 2^k >= 2^-5, the quotient above 2^-6)
-// are normal. A 64-element step holding a lane between (an e4m3 subnormal, or near one) goes
-// through the general kernel, as do a group's last < 64 elements.
+// are normal. Lanes between (an e4m3 subnormal, or near one) take the division; a group's
+// last < 64 elements go through the general kernel.
 constexpr int kTableExponent = 130;  // bf16 exponent field of the probe values (below)
 
 // The table of one scale holds the general kernel's codes of the 128 probes 2^(3+k)·(1 + m/128)
@@ -143,16 +143,28 @@ struct TableConstants {
   __m512i qword_order = _mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7);  // undoes packus's lane interleave
 };
 
-// Codes of 32 bf16 lanes (as words) from their group's table t[4] and shift (k << 7);
-// `unsure` gains the lanes the table cannot answer.
-inline __m512i table_codes(__m512i v, const __m512i t[4], __m512i shift, const TableConstants& c, __mmask32& unsure) {
+// Codes of 32 bf16 lanes (as words) from their group's table t[4] and shift (k << 7). The
+// lanes the table cannot answer (`unsure`: quotients in or near the e4m3 subnormals) get
+// theirs from the quotient itself, x / sf by vdivps and the general kernel's encoder, with
+// sf_lo / sf_hi the scales of lanes 0-15 / 16-31.
+inline __m512i table_codes(__m512i v, const __m512i t[4], __m512i shift, const TableConstants& c, __m512 sf_lo, __m512 sf_hi) {
   const __m512i p = _mm512_sub_epi16(_mm512_and_si512(v, c.magnitude), shift);
   const __m512i low = _mm512_permutex2var_epi16(t[0], p, t[1]), high = _mm512_permutex2var_epi16(t[2], p, t[3]);
   const __m512i offset = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(p, c.bit6), low, high);
   const __mmask32 nonzero = _mm512_cmpgt_epi16_mask(p, c.zero_to);
-  unsure |= _mm512_mask_cmplt_epi16_mask(nonzero, p, c.normal_from);
+  const __mmask32 unsure = _mm512_mask_cmplt_epi16_mask(nonzero, p, c.normal_from);
   // (capped at 126, 448: no finite value can become the NaN code, whatever the caller's bound)
-  const __m512i code = _mm512_min_epi16(_mm512_maskz_add_epi16(nonzero, _mm512_srli_epi16(p, 4), offset), c.max_code);
+  __m512i code = _mm512_min_epi16(_mm512_maskz_add_epi16(nonzero, _mm512_srli_epi16(p, 4), offset), c.max_code);
+  if (unsure) [[unlikely]] {
+    const __m512i magnitude = _mm512_and_si512(v, c.magnitude);
+    auto exact = [](__m256i half, __m512 sf) {  // codes of 16 |x| patterns, as words
+      const __m512 x = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+      return _mm512_cvtepi32_epi16(encode_bounded<E4M3>(_mm512_div_ps(x, sf)));
+    };
+    const __m512i quotient_codes = _mm512_inserti64x4(_mm512_castsi256_si512(exact(_mm512_castsi512_si256(magnitude), sf_lo)),
+                                                      exact(_mm512_extracti64x4_epi64(magnitude, 1), sf_hi), 1);
+    code = _mm512_mask_mov_epi16(code, unsure, quotient_codes);
+  }
   // code | (sign of x: bit 15 of v, moved to bit 7)
   return _mm512_ternarylogic_epi32(code, _mm512_srli_epi16(v, 8), c.sign_code, 0xf8);
 }
@@ -174,15 +186,11 @@ void e4m3_rows_by_table(const uint16_t* x, uint8_t* q, int64_t n, const float* s
     uint32_t bits;
     std::memcpy(&bits, &sf[g], 4);
     const __m512i shift = _mm512_set1_epi16(static_cast<int16_t>((static_cast<int32_t>(bits >> 23) - 127) * 128));
+    const __m512 scale = _mm512_set1_ps(sf[g]);
     for (; i + 64 <= end; i += 64) {
       if (prefetch) prefetch_block(prefetch + i);
-      __mmask32 unsure = 0;
-      const __m512i lo = table_codes(_mm512_loadu_si512(x + i), t, shift, c, unsure);
-      const __m512i hi = table_codes(_mm512_loadu_si512(x + i + 32), t, shift, c, unsure);
-      if (unsure) {
-        quantize_span<E4M3, uint16_t, false, false, true>(x + i, q + i, 64, sf + g, Reciprocals{}, nullptr);
-        continue;
-      }
+      const __m512i lo = table_codes(_mm512_loadu_si512(x + i), t, shift, c, scale, scale);
+      const __m512i hi = table_codes(_mm512_loadu_si512(x + i + 32), t, shift, c, scale, scale);
       const __m512i codes = _mm512_permutexvar_epi64(c.qword_order, _mm512_packus_epi16(lo, hi));
       if (Stream && (reinterpret_cast<uintptr_t>(q + i) & 63) == 0) _mm512_stream_si512(reinterpret_cast<__m512i*>(q + i), codes);
       else _mm512_storeu_si512(q + i, codes);
@@ -204,13 +212,10 @@ void e4m3_rows_by_shifts(const uint16_t* x, uint8_t* q, int64_t n, const float* 
   int64_t i = 0;
   for (; i + 64 <= n; i += 64) {
     if (prefetch) prefetch_block(prefetch + i);
-    __mmask32 unsure = 0;
-    const __m512i lo = table_codes(_mm512_loadu_si512(x + i), t, _mm512_loadu_si512(shift + i), c, unsure);
-    const __m512i hi = table_codes(_mm512_loadu_si512(x + i + 32), t, _mm512_loadu_si512(shift + i + 32), c, unsure);
-    if (unsure) {
-      quantize_span<E4M3, uint16_t, true, false, false>(x + i, q + i, 64, sf + i, Reciprocals{}, nullptr);
-      continue;
-    }
+    const __m512i lo = table_codes(_mm512_loadu_si512(x + i), t, _mm512_loadu_si512(shift + i), c, _mm512_loadu_ps(sf + i),
+                                   _mm512_loadu_ps(sf + i + 16));
+    const __m512i hi = table_codes(_mm512_loadu_si512(x + i + 32), t, _mm512_loadu_si512(shift + i + 32), c,
+                                   _mm512_loadu_ps(sf + i + 32), _mm512_loadu_ps(sf + i + 48));
     const __m512i codes = _mm512_permutexvar_epi64(c.qword_order, _mm512_packus_epi16(lo, hi));
     if (Stream && (reinterpret_cast<uintptr_t>(q + i) & 63) == 0) _mm512_stream_si512(reinterpret_cast<__m512i*>(q + i), codes);
     else _mm512_storeu_si512(q + i, codes);
