@@ -105,4 +105,23 @@ TEST(Streaming, StagedDequantisationMatchesCachedPathOnEveryIsa) {
   }
 }
 
+// Zero columns or zero rows: nothing to write, on the staged path and off it.
+TEST(Streaming, EmptyDequantisationsOnEveryIsa) {
+  for (int64_t threshold : {int64_t{1}, int64_t{1} << 40}) {
+    StreamingThreshold streaming(threshold);
+    for (Isa isa : moekit::testing::supported_isas()) {
+      ScopedIsa scoped(isa);
+      for (const Shape& shape : {Shape{3, 0}, Shape{0, 5}}) {
+        const Tensor q8 = Tensor::zeros(shape, DType::e4m3), q4 = Tensor::zeros({shape[0], (shape[1] + 1) / 2}, DType::e2m1x2);
+        const Tensor sf8 = Tensor::zeros({shape[0], (shape[1] + 127) / 128}, DType::f32);
+        const Tensor sf4 = Tensor::zeros({shape[0], (shape[1] + 31) / 32}, DType::f32);
+        EXPECT_EQ(cast_back_from_fp8(q8, sf8, DType::bf16).shape(), shape);
+        EXPECT_EQ(cast_back_from_fp4(q4, sf4, DType::f32, 1, 32, shape[1]).shape(), shape);
+        Tensor out = Tensor::empty(shape, DType::f32);
+        convert(q8, out);
+      }
+    }
+  }
+}
+
 }  // namespace

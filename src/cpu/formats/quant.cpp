@@ -51,9 +51,9 @@ bool streaming(const Tensor& out) {
 // between its stores slowed from 42 to 9 GB/s.
 class StreamedRows {
  public:
-  // cols per row of out (esize bytes each), scale groups of gran columns.
+  // cols per row of out (esize bytes each), scale groups of gran columns (gran >= 1).
   StreamedRows(bool stream, int64_t cols, int64_t esize, int64_t gran)
-      : chunk_(std::min(cols, gran >= kChunkColumns ? gran : kChunkColumns / gran * gran)), esize_(esize) {
+      : chunk_(std::max<int64_t>(1, std::min(cols, gran >= kChunkColumns ? gran : kChunkColumns / gran * gran))), esize_(esize) {
     if (stream) stage_.resize(static_cast<size_t>(chunk_ * esize_ + 64));
   }
   // row(dst, c0, n): the kernel call writing columns [c0, c0 + n) at dst (n is a multiple of
@@ -418,7 +418,7 @@ void cast_back(const char* fn, const Tensor& q, const Tensor& sf, const Tensor& 
 #pragma omp parallel num_threads(threads_for(m * k))
   {
     std::vector<float> scratch;
-    StreamedRows rows(stream, k, static_cast<int64_t>(out.element_size()), std::min(gran_k, k));
+    StreamedRows rows(stream, k, static_cast<int64_t>(out.element_size()), std::max<int64_t>(1, std::min(gran_k, k)));
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < m; ++r) {
       const float* s = scale_row(sf, r / gran_m, groups, scratch);
