@@ -410,11 +410,13 @@ void dequantize_e4m3_bf16(const uint8_t* q, void* outv, int64_t n, const float* 
 
 }  // namespace
 
-// Measured on Sapphire Rapids (bench formats --peer-isa avx2: alternating runs, DRAM-sized
-// and in-cache, 16 threads and one; docs/FORMATS.md): the AVX2 target's fast paths (casts
-// by reciprocal, e4m3 decoding through F16C), which this generic 512-bit target lacks, win
-// for e2m1 quantisation (1.4-1.8x) and e4m3 dequantisation (1.0-1.15x); those entries come
-// from the AVX2 table, the rest (even, or faster here: per-channel 1.1-1.27x) stay 512-bit.
+// The table in three layers, each measured against the one below (docs/FORMATS.md):
+// 1. the generic 512-bit kernels (formats_simd.inc);
+// 2. AVX2 entries where that target's fast paths won on Sapphire Rapids / Emerald Rapids
+//    (e2m1 quantisation 1.4-1.8x, e4m3 dequantisation through F16C 1.0-1.15x, bf16 amaxes on
+//    16-bit lanes, ue8m0 bf16->e4m3 rows);
+// 3. the table kernels above for bf16 (and FP4 dequantisation), measured on the AMX host
+//    (2026-12-01), which fall back on layer 1 or 2 for what they do not take.
 const FormatKernels& format_kernels_avx512() {
   static const FormatKernels table = [] {
     FormatKernels t = make_table();
@@ -431,7 +433,7 @@ const FormatKernels& format_kernels_avx512() {
     // (1.1-1.4x for the FP4 cast, whose groups of 32 make the amax pass a third of its work).
     t.amax_groups[static_cast<int>(Wide::bf16)] = avx2.amax_groups[static_cast<int>(Wide::bf16)];
     t.amax_accumulate_bf16 = avx2.amax_accumulate_bf16;
-    // e2m1 -> wide by tables (above): measured 2026-12-01 on the AMX host, see docs/FORMATS.md.
+    // Layer 3 (above); each keeps the entry it replaces for the cases it leaves.
     for (int wide = 0; wide < 2; ++wide) g_e2m1_general[wide] = t.dequantize[static_cast<int>(Narrow::e2m1)][wide];
     t.dequantize[static_cast<int>(Narrow::e2m1)][static_cast<int>(Wide::f32)] = &dequantize_e2m1_tables<float>;
     t.dequantize[static_cast<int>(Narrow::e2m1)][static_cast<int>(Wide::bf16)] = &dequantize_e2m1_tables<uint16_t>;
