@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 #include "moekit/runtime.h"
 
@@ -56,13 +57,28 @@ struct FormatKernels {
   void (*e4m3_tables)(const float* sf, int64_t groups, int16_t* tables);
   void (*quantize_e4m3_tables)(const uint16_t* x, uint8_t* q, int64_t n, const float* sf, int64_t gran,
                                const int16_t* tables, bool stream, const uint16_t* prefetch);
-  // Per-channel casts under power-of-two scales 2^k_i (one per element): the same with
-  // shift[i] = k_i << 7 (-100 <= k_i < 100) and the table of the scale 1.0. Null where
+  // Per-channel casts under power-of-two scales 2^k_i (one per element, each a table_scale):
+  // the same with shift[i] = table_shift(sf[i]) and the table of the scale 1.0. Null where
   // e4m3_tables is.
   void (*quantize_e4m3_shifts)(const uint16_t* x, uint8_t* q, int64_t n, const float* sf, const int16_t* shift,
                                const int16_t* unit_table, bool stream, const uint16_t* prefetch);
 };
 inline constexpr int64_t kE4m3TableWords = 128;
+
+// The scales the table kernels take: positive normal, 2^-100 <= sf < 2^100 (their probes stay
+// normal bf16, and bf16 subnormal inputs land in the zero region).
+inline bool table_scale(float sf) {
+  uint32_t bits;
+  std::memcpy(&bits, &sf, 4);
+  const uint32_t exponent = bits >> 23;  // (the sign bit puts negative scales far above)
+  return exponent >= 127 - 100 && exponent < 127 + 100;
+}
+// k << 7 for a table scale sf = 2^k·f (1 <= f < 2): the bf16 pattern offset of dividing by 2^k.
+inline int16_t table_shift(float sf) {
+  uint32_t bits;
+  std::memcpy(&bits, &sf, 4);
+  return static_cast<int16_t>((static_cast<int32_t>(bits >> 23) - 127) * 128);
+}
 
 const FormatKernels& format_kernels_scalar();
 const FormatKernels& format_kernels_avx2();

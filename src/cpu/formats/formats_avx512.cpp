@@ -121,18 +121,20 @@ void e4m3_tables(const float* sf, int64_t groups, int16_t* tables) {
   uint8_t codes[kE4m3TableWords];
   for (int64_t g = 0; g < groups; ++g) {
     int16_t* table = tables + g * kE4m3TableWords;
-    uint32_t bits;
-    std::memcpy(&bits, &sf[g], 4);
-    const int32_t exponent = static_cast<int32_t>(bits >> 23);  // sign bit set: out of range
-    if (exponent < 127 - 100 || exponent >= 127 + 100) {
+    if (!table_scale(sf[g])) {
       table[0] = kNoTable;
       continue;
     }
-    const int32_t k = exponent - 127;
-    for (int m = 0; m < kE4m3TableWords; ++m) probe[m] = static_cast<uint16_t>((kTableExponent + k) << 7 | m);
+    for (int m = 0; m < kE4m3TableWords; ++m) probe[m] = static_cast<uint16_t>(((kTableExponent << 7) + table_shift(sf[g])) | m);
     quantize_span<E4M3, uint16_t, false, false, false>(probe, codes, kE4m3TableWords, sf + g, Reciprocals{}, nullptr);
     for (int m = 0; m < kE4m3TableWords; ++m) table[m] = static_cast<int16_t>(codes[m] - ((kTableExponent << 7 | m) >> 4));
   }
+}
+
+// body(g, i, end) for each scale group g of a row of n elements, [i, end).
+template <class Body>
+inline void for_each_group(int64_t n, int64_t gran, Body body) {
+  for (int64_t g = 0, i = 0; i < n; ++g, i += gran) body(g, i, min64(n, i + gran));
 }
 
 // Constants of table_codes, set up once per call so that they stay in registers.
@@ -143,12 +145,21 @@ struct TableConstants {
   __m512i qword_order = _mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7);  // undoes packus's lane interleave
 };
 
+// Stores the codes of 64 lanes, lo and hi as table_codes gives them (words).
+template <bool Stream>
+inline void store_codes(uint8_t* q, __m512i lo, __m512i hi, const TableConstants& c) {
+  const __m512i codes = _mm512_permutexvar_epi64(c.qword_order, _mm512_packus_epi16(lo, hi));
+  if (Stream && (reinterpret_cast<uintptr_t>(q) & 63) == 0) _mm512_stream_si512(reinterpret_cast<__m512i*>(q), codes);
+  else _mm512_storeu_si512(q, codes);
+}
+
 // Codes of 32 bf16 lanes (as words) from their group's table t[4] and shift (k << 7). The
 // lanes the table cannot answer (`unsure`: quotients in or near the e4m3 subnormals) get
 // theirs from the quotient itself, x / sf by vdivps and the general kernel's encoder, with
 // sf_lo / sf_hi the scales of lanes 0-15 / 16-31.
 inline __m512i table_codes(__m512i v, const __m512i t[4], __m512i shift, const TableConstants& c, __m512 sf_lo, __m512 sf_hi) {
-  const __m512i p = _mm512_sub_epi16(_mm512_and_si512(v, c.magnitude), shift);
+  const __m512i magnitude = _mm512_and_si512(v, c.magnitude);
+  const __m512i p = _mm512_sub_epi16(magnitude, shift);
   const __m512i low = _mm512_permutex2var_epi16(t[0], p, t[1]), high = _mm512_permutex2var_epi16(t[2], p, t[3]);
   const __m512i offset = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(p, c.bit6), low, high);
   const __mmask32 nonzero = _mm512_cmpgt_epi16_mask(p, c.zero_to);
@@ -156,7 +167,6 @@ inline __m512i table_codes(__m512i v, const __m512i t[4], __m512i shift, const T
   // (capped at 126, 448: no finite value can become the NaN code, whatever the caller's bound)
   __m512i code = _mm512_min_epi16(_mm512_maskz_add_epi16(nonzero, _mm512_srli_epi16(p, 4), offset), c.max_code);
   if (unsure) [[unlikely]] {
-    const __m512i magnitude = _mm512_and_si512(v, c.magnitude);
     auto exact = [](__m256i half, __m512 sf) {  // codes of 16 |x| patterns, as words
       const __m512 x = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
       return _mm512_cvtepi32_epi16(encode_bounded<E4M3>(_mm512_div_ps(x, sf)));
@@ -173,31 +183,21 @@ template <bool Stream>
 void e4m3_rows_by_table(const uint16_t* x, uint8_t* q, int64_t n, const float* sf, int64_t gran, const int16_t* tables,
                         const uint16_t* prefetch) {
   const TableConstants c;
-  for (int64_t g = 0, i = 0; i < n; ++g) {
-    const int64_t end = min64(n, (g + 1) * gran);
+  for_each_group(n, gran, [&](int64_t g, int64_t i, int64_t end) {
     const int16_t* table = tables + g * kE4m3TableWords;
-    if (table[0] == kNoTable) {  // (the scale may be inf or NaN: no bound)
-      quantize_span<E4M3, uint16_t, false, false, false>(x + i, q + i, end - i, sf + g, Reciprocals{}, nullptr);
-      i = end;
-      continue;
-    }
+    if (table[0] == kNoTable)  // (the scale may be inf or NaN: no bound)
+      return quantize_span<E4M3, uint16_t, false, false, false>(x + i, q + i, end - i, sf + g, Reciprocals{}, nullptr);
     __m512i t[4];
     for (int j = 0; j < 4; ++j) t[j] = _mm512_loadu_si512(table + 32 * j);
-    uint32_t bits;
-    std::memcpy(&bits, &sf[g], 4);
-    const __m512i shift = _mm512_set1_epi16(static_cast<int16_t>((static_cast<int32_t>(bits >> 23) - 127) * 128));
+    const __m512i shift = _mm512_set1_epi16(table_shift(sf[g]));
     const __m512 scale = _mm512_set1_ps(sf[g]);
     for (; i + 64 <= end; i += 64) {
       if (prefetch) prefetch_block(prefetch + i);
-      const __m512i lo = table_codes(_mm512_loadu_si512(x + i), t, shift, c, scale, scale);
-      const __m512i hi = table_codes(_mm512_loadu_si512(x + i + 32), t, shift, c, scale, scale);
-      const __m512i codes = _mm512_permutexvar_epi64(c.qword_order, _mm512_packus_epi16(lo, hi));
-      if (Stream && (reinterpret_cast<uintptr_t>(q + i) & 63) == 0) _mm512_stream_si512(reinterpret_cast<__m512i*>(q + i), codes);
-      else _mm512_storeu_si512(q + i, codes);
+      store_codes<Stream>(q + i, table_codes(_mm512_loadu_si512(x + i), t, shift, c, scale, scale),
+                          table_codes(_mm512_loadu_si512(x + i + 32), t, shift, c, scale, scale), c);
     }
     if (i < end) quantize_span<E4M3, uint16_t, false, false, true>(x + i, q + i, end - i, sf + g, Reciprocals{}, nullptr);
-    i = end;
-  }
+  });
   if (Stream) _mm_sfence();
 }
 
@@ -216,9 +216,7 @@ void e4m3_rows_by_shifts(const uint16_t* x, uint8_t* q, int64_t n, const float* 
                                    _mm512_loadu_ps(sf + i + 16));
     const __m512i hi = table_codes(_mm512_loadu_si512(x + i + 32), t, _mm512_loadu_si512(shift + i + 32), c,
                                    _mm512_loadu_ps(sf + i + 32), _mm512_loadu_ps(sf + i + 48));
-    const __m512i codes = _mm512_permutexvar_epi64(c.qword_order, _mm512_packus_epi16(lo, hi));
-    if (Stream && (reinterpret_cast<uintptr_t>(q + i) & 63) == 0) _mm512_stream_si512(reinterpret_cast<__m512i*>(q + i), codes);
-    else _mm512_storeu_si512(q + i, codes);
+    store_codes<Stream>(q + i, lo, hi, c);
   }
   if (i < n) quantize_span<E4M3, uint16_t, true, false, false>(x + i, q + i, n - i, sf + i, Reciprocals{}, nullptr);
   if (Stream) _mm_sfence();
@@ -336,8 +334,7 @@ void dequantize_e2m1_tables(const uint8_t* q, void* outv, int64_t n, const float
   if (gran % 32 != 0) return g_e2m1_general[wide](q, outv, n, sf, gran);
   Out* out = static_cast<Out*>(outv);
   const __m512i low_nibble = _mm512_set1_epi32(0x0f);
-  for (int64_t g = 0, i = 0; i < n; ++g) {
-    const int64_t end = min64(n, (g + 1) * gran);
+  for_each_group(n, gran, [&](int64_t g, int64_t i, int64_t end) {
     const __m512 values = e2m1_values(sf[g]);
     if constexpr (std::is_same_v<Out, float>) {
       for (; i + 16 <= end; i += 16) {
@@ -356,15 +353,14 @@ void dequantize_e2m1_tables(const uint8_t* q, void* outv, int64_t n, const float
       }
     }
     if (i < end) g_e2m1_general[wide](q + i / 2, out + i, end - i, sf + g, end - i);
-    i = end;
-  }
+  });
 }
 
 // ---- e4m3 -> bf16 dequantisation through a table per scale ----
 // A normal code with exponent field e and mantissa j is 2^(e-1)·(2^-6·(1 + j/8)), so its
 // product with sf, rounded to f32 and then to bf16, is 2^(e-1) times that of field 1 (both
-// roundings commute with the power of two while the results stay normal; sf between 2^-100
-// and 2^100 keeps them so): its bf16 pattern is the field-1 pattern plus (e - 1) << 7. With
+// roundings commute with the power of two while the results stay normal; a table_scale
+// keeps them so): its bf16 pattern is the field-1 pattern plus (e - 1) << 7. With
 // the eight subnormal codes' patterns beside them, 16 words per scale (one vmulps and the
 // general kernel's bf16 rounding) give every code's output by one vpermw and an add; the
 // sign flips the result (rounding is symmetric), and the NaN codes give the general kernel's
@@ -384,16 +380,8 @@ void dequantize_e4m3_bf16(const uint8_t* q, void* outv, int64_t n, const float* 
   auto* out = static_cast<uint16_t*>(outv);
   const __m512i field = _mm512_set1_epi16(0x78), low3 = _mm512_set1_epi16(7), subnormal_entry = _mm512_set1_epi16(8);
   const __m512i magnitude = _mm512_set1_epi16(0x7f), quiet_nan = _mm512_set1_epi16(0x7fc0), sign = _mm512_set1_epi16(static_cast<int16_t>(0x8000));
-  for (int64_t g = 0, i = 0; i < n; ++g) {
-    const int64_t end = min64(n, (g + 1) * gran);
-    uint32_t bits;
-    std::memcpy(&bits, &sf[g], 4);
-    const uint32_t exponent = (bits >> 23) & 0xff;
-    if (exponent < 127 - 100 || exponent >= 127 + 100) {  // (zero, subnormal, huge, inf, NaN)
-      g_e4m3_bf16_general(q + i, out + i, end - i, sf + g, end - i);
-      i = end;
-      continue;
-    }
+  for_each_group(n, gran, [&](int64_t g, int64_t i, int64_t end) {
+    if (!table_scale(sf[g])) return g_e4m3_bf16_general(q + i, out + i, end - i, sf + g, end - i);
     const __m512i table = e4m3_bf16_table(sf[g]);
     for (; i + 32 <= end; i += 32) {
       const __m512i c = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i)));
@@ -404,8 +392,7 @@ void dequantize_e4m3_bf16(const uint8_t* q, void* outv, int64_t n, const float* 
       _mm512_storeu_si512(out + i, _mm512_ternarylogic_epi32(v, _mm512_slli_epi16(c, 8), sign, 0x78));  // v ^ (sign of c)
     }
     if (i < end) g_e4m3_bf16_general(q + i, out + i, end - i, sf + g, end - i);
-    i = end;
-  }
+  });
 }
 
 }  // namespace

@@ -51,9 +51,9 @@ bool streaming(const Tensor& out) {
 // between its stores slowed from 42 to 9 GB/s.
 class StreamedRows {
  public:
-  // cols per row of out (esize bytes each), scale groups of gran columns (gran >= 1).
+  // cols per row of out (esize bytes each), scale groups of gran columns.
   StreamedRows(bool stream, int64_t cols, int64_t esize, int64_t gran)
-      : chunk_(std::max<int64_t>(1, std::min(cols, gran >= kChunkColumns ? gran : kChunkColumns / gran * gran))), esize_(esize) {
+      : chunk_(chunk_columns(cols, std::max<int64_t>(1, gran))), esize_(esize) {
     if (stream) stage_.resize(static_cast<size_t>(chunk_ * esize_ + 64));
   }
   // row(dst, c0, n): the kernel call writing columns [c0, c0 + n) at dst (n is a multiple of
@@ -74,6 +74,10 @@ class StreamedRows {
 
  private:
   static constexpr int64_t kChunkColumns = 2048;
+  // Whole groups of about kChunkColumns (one group if longer), at least 1, at most the row.
+  static int64_t chunk_columns(int64_t cols, int64_t gran) {
+    return std::max<int64_t>(1, std::min(cols, gran >= kChunkColumns ? gran : kChunkColumns / gran * gran));
+  }
   int64_t chunk_, esize_;
   std::vector<char> stage_;
 };
@@ -169,17 +173,15 @@ void column_amax(const detail::FormatKernels& kern, const Tensor& x, int64_t r0,
     for (int64_t c = 0; c < n; ++c) col[c] = std::bit_cast<float>(static_cast<uint32_t>(acc16[static_cast<size_t>(c)]) << 16);
 }
 
-// shift[i] = k << 7 for sf[i] = 2^k, -100 <= k < 100 (quantize_e4m3_shifts); false, with
-// shift unspecified, when some sf is not such a power of two.
+// shift[i] = table_shift(sf[i]) (quantize_e4m3_shifts); false, with shift unspecified, when
+// some sf is not a power of two that is a table_scale.
 bool power_of_two_shifts(const float* sf, int64_t n, int16_t* shift) {
-  uint32_t other = 0;  // no early exit: the loop vectorises
+  bool all = true;  // no early exit: the loop vectorises
   for (int64_t i = 0; i < n; ++i) {
-    const uint32_t bits = std::bit_cast<uint32_t>(sf[i]);
-    const int32_t k = static_cast<int32_t>(bits >> 23) - 127;  // (sign bit set: far out of range)
-    other |= static_cast<uint32_t>((bits & 0x007fffffu) != 0) | static_cast<uint32_t>(k < -100 || k >= 100);
-    shift[i] = static_cast<int16_t>(k * 128);
+    all &= (std::bit_cast<uint32_t>(sf[i]) & 0x007fffffu) == 0 && detail::table_scale(sf[i]);
+    shift[i] = detail::table_shift(sf[i]);
   }
-  return other == 0;
+  return all;
 }
 
 void check_scales(const char* fn, const Tensor& sf, const Shape& shape) {
@@ -418,7 +420,7 @@ void cast_back(const char* fn, const Tensor& q, const Tensor& sf, const Tensor& 
 #pragma omp parallel num_threads(threads_for(m * k))
   {
     std::vector<float> scratch;
-    StreamedRows rows(stream, k, static_cast<int64_t>(out.element_size()), std::max<int64_t>(1, std::min(gran_k, k)));
+    StreamedRows rows(stream, k, static_cast<int64_t>(out.element_size()), std::min(gran_k, k));
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < m; ++r) {
       const float* s = scale_row(sf, r / gran_m, groups, scratch);
@@ -563,26 +565,26 @@ void convert(const Tensor& src, const Tensor& dst) {
   const bool stream = streaming(dst);
 #pragma omp parallel num_threads(threads_for(rows * cols))
   {
-  // (one unit scale: any chunk of a row is a whole group)
-  StreamedRows staged(stream && from_narrow, cols, static_cast<int64_t>(dst.element_size()), 1);
+    // (one unit scale: any chunk of a row is a whole group)
+    StreamedRows staged(stream && from_narrow, cols, static_cast<int64_t>(dst.element_size()), 1);
 #pragma omp for schedule(static)
-  for (int64_t r = 0; r < rows; ++r) {
-    const char* w = static_cast<const char*>(wide.data()) + r * wide_row_bytes;
-    char* o = static_cast<char*>(other.data()) + r * other_row_bytes;
-    if (wide_pair) {
-      if (src.dtype() == dst.dtype()) std::copy(w, w + wide_row_bytes, o);
-      else if (src.dtype() == DType::f32) kern.f32_to_bf16(reinterpret_cast<const float*>(w), reinterpret_cast<uint16_t*>(o), cols);
-      else kern.bf16_to_f32(reinterpret_cast<const uint16_t*>(w), reinterpret_cast<float*>(o), cols);
-    } else if (to_narrow) {
-      kern.quantize[narrow_of(dst.dtype())][static_cast<int>(wide_of(src))](w, reinterpret_cast<uint8_t*>(o), cols, &one, cols, stream, nullptr, false, detail::Reciprocals{});
-    } else {
-      const auto* codes = reinterpret_cast<const uint8_t*>(o);
-      const auto dequantize = kern.dequantize[narrow_of(src.dtype())][static_cast<int>(wide_of(dst))];
-      staged.write(const_cast<char*>(w), cols, [&](char* out, int64_t c0, int64_t n) {
-        dequantize(codes + (dst.dtype() == DType::e2m1x2 || src.dtype() == DType::e2m1x2 ? c0 / 2 : c0), out, n, &one, n);
-      });
+    for (int64_t r = 0; r < rows; ++r) {
+      const char* w = static_cast<const char*>(wide.data()) + r * wide_row_bytes;
+      char* o = static_cast<char*>(other.data()) + r * other_row_bytes;
+      if (wide_pair) {
+        if (src.dtype() == dst.dtype()) std::copy(w, w + wide_row_bytes, o);
+        else if (src.dtype() == DType::f32) kern.f32_to_bf16(reinterpret_cast<const float*>(w), reinterpret_cast<uint16_t*>(o), cols);
+        else kern.bf16_to_f32(reinterpret_cast<const uint16_t*>(w), reinterpret_cast<float*>(o), cols);
+      } else if (to_narrow) {
+        kern.quantize[narrow_of(dst.dtype())][static_cast<int>(wide_of(src))](w, reinterpret_cast<uint8_t*>(o), cols, &one, cols, stream, nullptr, false, detail::Reciprocals{});
+      } else {
+        const auto* codes = reinterpret_cast<const uint8_t*>(o);
+        const auto dequantize = kern.dequantize[narrow_of(src.dtype())][static_cast<int>(wide_of(dst))];
+        staged.write(const_cast<char*>(w), cols, [&](char* out, int64_t c0, int64_t n) {
+          dequantize(codes + (src.dtype() == DType::e2m1x2 ? c0 / 2 : c0), out, n, &one, n);
+        });
+      }
     }
-  }
   }
 }
 
