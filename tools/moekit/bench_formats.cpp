@@ -112,12 +112,18 @@ void bench_formats(const BenchOptions& o) {
     rows_out.push_back(row);
   }
 
-  // Dequantisation: fp8 / fp4 values (+ scales) to bf16.
-  for (const bool fp4 : {false, true}) {
-    const int64_t k = 2 * cols, gran = fp4 ? 32 : 128;
+  // Dequantisation: fp8 / fp4 values (+ scales) to bf16, and fp4 to f32 (half the columns:
+  // the same 4 bytes of output per element pair).
+  struct Dequant {
+    bool fp4;
+    DType out;
+  };
+  for (const Dequant d : {Dequant{false, DType::bf16}, Dequant{true, DType::bf16}, Dequant{true, DType::f32}}) {
+    const bool fp4 = d.fp4;
+    const int64_t k = d.out == DType::f32 ? cols : 2 * cols, gran = fp4 ? 32 : 128;
     const Quantized qz = fp4 ? per_token_cast_to_fp4(random_bf16(rows, k, 2, true), false, gran)
                              : per_token_cast_to_fp8(random_bf16(rows, k, 2, true), false, gran);
-    const Tensor out = prefaulted({rows, k}, DType::bf16);
+    const Tensor out = prefaulted({rows, k}, d.out);
     auto run = [&] {
       if (fp4) cast_back_from_fp4_into(qz.values, qz.sf, out, 1, gran);
       else cast_back_from_fp8_into(qz.values, qz.sf, out, 1, gran);
@@ -128,10 +134,10 @@ void bench_formats(const BenchOptions& o) {
     std::tie(row.time, row.peer_time) = time_interleaved(run, on_peer_isa(run), repeats);
     run();
     const int64_t check = 128;
-    const Tensor want = ref::to_tensor(ref::dequantize(qz.values.slice(0, 0, check), qz.sf.slice(0, 0, check), 1, gran, k), check, k, DType::bf16);
+    const Tensor want = ref::to_tensor(ref::dequantize(qz.values.slice(0, 0, check), qz.sf.slice(0, 0, check), 1, gran, k), check, k, d.out);
     row.calc_diff = calc_diff(out.slice(0, 0, check), want);
     row.shape = fmt::format("{}x{}", rows, k);
-    row.dtype = fp4 ? "fp4->bf16" : "fp8->bf16";
+    row.dtype = std::string(fp4 ? "fp4" : "fp8") + "->" + dtype_name(d.out);
     row.threads = num_threads();
     row.gbps = static_cast<double>(bytes_of(qz.values) + bytes_of(qz.sf) + bytes_of(out)) / (row.time.median_us * 1e3);
     // (bf16 out is 2-4x the bytes in: the copy bandwidth bounds it, not the read bandwidth)
