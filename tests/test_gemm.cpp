@@ -521,9 +521,11 @@ TEST(GemmPacked, BitIdenticalToUnpackedCall) {
     for (Layout layout : {Layout::nt, Layout::nn})
       for (const FmtPair& pair : kPairs)
         // (5 x 2100: columns split between threads, K ends in a partial block; 8 x 9000:
-        // several column blocks per thread.)
+        // several column blocks per thread. Under AMX, unpacked calls of up to 32 rows stream
+        // B through the tiles while packed ones take the blocked kernel: 20 x 70 x 4500 (three
+        // K blocks, both C tile columns, a partial last strip) and 32 x 34 x 2100 must agree.)
         for (auto [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{5, 40, 300}, {37, 70, 1700}, {230, 40, 1700},
-                               {5, 2100, 300}, {8, 9000, 260}}) {
+                               {5, 2100, 300}, {8, 9000, 260}, {20, 70, 4500}, {32, 34, 2100}}) {
           Case cs{layout, pair.a, pair.b, m, n, k, (seed & 1) ? DType::bf16 : DType::f32,
                   (seed % 3 == 0) ? CMode::in_place : (seed % 3 == 1) ? CMode::separate : CMode::none, (seed & 2) != 0};
           const std::vector<double> unpacked = run_case(cs, seed).got;
@@ -631,6 +633,44 @@ TEST(GemmAmx, TakesWhatItCanPromoteAndLeavesTheRestToAvx512) {
   }
   EXPECT_EQ(pack_fp8_fp4_weights(per_block_cast_to_fp8(xb, false)).isa(), Isa::amx);
   EXPECT_EQ(pack_fp8_fp4_weights(qb96, true, o96).isa(), Isa::avx512);
+}
+
+// Up to 32 rows of A stream B through the tiles (B decoded a chunk of 32 rows x 256 K at a
+// time). FP4 weights with power-of-two scales are folded there by adding the scale's exponent
+// to the code's bf16 bits, which the streaming decoder does only for exponents from 2^-100 to
+// 2^120; a chunk with a larger scale is decoded the general way. Scales at and around both
+// edges, in some chunks only, must give the blocked path's bits (packed weights) and the
+// oracle's values; K = 800 ends in a partial chunk, N = 70 in a partial strip. With 2^126
+// (6 · 2^126 overflows to inf, which an exponent add would turn into NaN) only the bits
+// are compared.
+TEST(GemmAmx, StreamedFp4ScalesAtTheFoldingEdges) {
+  if (!isa_supported(Isa::amx)) GTEST_SKIP() << "no AMX-BF16 (or not granted) on this CPU";
+  ScopedIsa amx(Isa::amx);
+  const int64_t m = 8, n = 70, k = 800, groups = k / 32;
+  const Quantized qa = per_token_cast_to_fp8(random_bf16(m, k, 81), true, 32);
+  for (float* s = qa.sf.data_ptr<float>(); s < qa.sf.data_ptr<float>() + m * groups; ++s) *s = std::ldexp(*s, -60);
+  GemmOptions o;
+  o.recipe = Recipe{1, 1, 32};
+  for (const int largest : {124, 126}) {
+    SCOPED_TRACE("largest scale 2^" + std::to_string(largest));
+    Quantized qb = per_token_cast_to_fp4(random_bf16(n, k, 82), true, 32);
+    const int exponents[] = {-100, -99, 0, 7, 119, 120, 121, largest};
+    float* sf = qb.sf.data_ptr<float>();
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t g = 0; g < groups; ++g) {
+        // Chunks 0 and 2 (groups 0-7, 16-23) keep exponents within the fast range; chunk 1
+        // and the partial chunk 3 take any of them, in some rows only.
+        const bool any = (g / 8 == 1 || g / 8 == 3) && r % 3 == 0;
+        sf[r * groups + g] = std::ldexp(1.0f, exponents[(r + 3 * g) % (any ? 8 : 6)]);
+      }
+    Tensor streamed = Tensor::empty({m, n}, DType::f32), blocked = Tensor::empty({m, n}, DType::f32);
+    fp8_fp4_gemm_nt(qa, qb, streamed, Tensor(), o);
+    fp8_fp4_gemm_packed(qa, pack_fp8_fp4_weights(qb, true, o), blocked, Tensor(), o);
+    EXPECT_EQ(0, std::memcmp(streamed.data(), blocked.data(), m * n * 4));
+    if (largest == 126) continue;
+    const std::vector<double> want = ref::gemm(Layout::nt, {qa.values, qa.sf, 1, 32}, {qb.values, qb.sf, 1, 32});
+    EXPECT_LE(ref::calc_diff(ref::to_f64(streamed), want), 1e-5);
+  }
 }
 
 TEST(GemmPacked, BadInputRaisesNamedErrors) {

@@ -20,6 +20,7 @@
 #include <string>
 
 #include "core/check.h"
+#include "core/scratch.h"
 #include "cpu/formats/format_kernels.h"
 #include "cpu/gemm/gemm_kernels.h"
 #include "moekit/error.h"
@@ -50,29 +51,8 @@ struct Output {
 
 // ---------------------------------------------------------------- per-thread buffers
 
-struct AlignedFree {
-  void operator()(float* p) const { std::free(p); }
-};
-
-class Scratch {
- public:
-  float* get(size_t n) {
-    if (n > size_) {
-      const size_t bytes = ((n * sizeof(float) + 63) / 64) * 64;
-      buf_.reset(static_cast<float*>(std::aligned_alloc(64, bytes)));
-      if (!buf_) throw std::bad_alloc();
-      size_ = n;
-    }
-    return buf_.get();
-  }
-
- private:
-  std::unique_ptr<float, AlignedFree> buf_;
-  size_t size_ = 0;
-};
-
 struct ThreadBuffers {
-  Scratch a, b, acc;
+  detail::Scratch a, b, acc;
 };
 ThreadBuffers& thread_buffers() {
   static thread_local ThreadBuffers buffers;
@@ -263,17 +243,17 @@ void run_item(const detail::GemmKernels& kern, const GemmOperand& a, const GemmO
 void run_small_m(const detail::GemmKernels& kern, const GemmOperand& a, const GemmOperand& b, const Output& out,
                  int threads) {
   const int64_t m = a.mn, n = b.mn;
-  constexpr int64_t kCols = 256;  // columns per result block (bounds the f32 buffer)
-  const int64_t chunk = ceil_div(ceil_div(n, threads), 4) * 4;
+  const int64_t cols = kern.small_m_cols;  // columns per result block (bounds the f32 buffer)
+  const int64_t chunk = ceil_div(ceil_div(n, threads), kern.small_m_align) * kern.small_m_align;
 #pragma omp parallel num_threads(threads)
   {
     const int64_t t = omp_get_thread_num();
     const int64_t n0 = std::min(n, t * chunk), n1 = std::min(n, n0 + chunk);
-    float* res = thread_buffers().acc.get(static_cast<size_t>(m * kCols));
-    for (int64_t j = n0; j < n1; j += kCols) {
-      const int64_t nc = std::min(kCols, n1 - j);
-      kern.small_m(a, b, j, j + nc, res, kCols);
-      write_block(out, {res, kCols, 0}, 0, m, j, nc);
+    float* res = thread_buffers().acc.get(static_cast<size_t>(m * cols));
+    for (int64_t j = n0; j < n1; j += cols) {
+      const int64_t nc = std::min(cols, n1 - j);
+      kern.small_m(a, b, j, j + nc, res, cols);
+      write_block(out, {res, cols, 0}, 0, m, j, nc);
     }
   }
 }
@@ -290,8 +270,11 @@ void run_gemm(const char* fn, GemmOperand a, GemmOperand b, const Output& out, c
   const int64_t m = a.mn, n = b.mn, k = a.k;
   if (m == 0 || n == 0) return;
   const detail::GemmKernels& kern = detail::gemm_kernels(runs_on);
-  // (B groups must be whole lanes: the per-group sums of the small-M path are 8 lanes wide.)
-  if (!pre.data && m <= detail::kGemmSmallM && a.k_major && b.k_major && k > 0 && (!b.sf || b.gran_k % 8 == 0)) {
+  // (B groups must be whole lanes: the per-group sums of the FMA small-M path are 8 lanes
+  // wide; the AMX one takes what its prepare() took.)
+  const bool small_m = m <= kern.small_m_rows && b.k_major && k > 0 &&
+                       (kern.small_m_any_a || (a.k_major && (!b.sf || b.gran_k % 8 == 0)));
+  if (!pre.data && small_m) {
     const double bytes = static_cast<double>(n) * static_cast<double>(k);
     run_small_m(kern, a, b, out, bytes < 1e6 ? 1 : std::max(1, num_threads()));
     return;

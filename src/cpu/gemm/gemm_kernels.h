@@ -39,6 +39,10 @@ enum class PackNext : uint8_t { next_rows, next_k };
 // element is one FMA chain in K order on every path.
 inline constexpr int64_t kGemmKc = 256;
 
+// Up to this many rows of A (both operands K-major) take the FMA targets' small-M path;
+// beyond it B is packed once and reused by enough rows to pay for the packing.
+inline constexpr int64_t kGemmSmallM = 4;
+
 struct GemmKernels {
   int mr = 0, nr = 0;  // register tile
   int64_t kc = kGemmKc;  // K block (≤ kGemmKc on the FMA targets)
@@ -65,14 +69,16 @@ struct GemmKernels {
   // overwrites c. FMAs in kk order from the loaded (or zero) value of c.
   void (*tile)(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, int rows, int cols,
                bool accumulate);
-  // Small M (a.mn ≤ kGemmSmallM), both operands K-major: out[m, j - n0] = Σ_k a·b for
-  // columns [n0, n1), f32, row stride ld_out. Streams B once, decoding as it goes.
+  // Small M (a.mn ≤ small_m_rows), B K-major (and A too unless small_m_any_a):
+  // out[m, j - n0] = Σ_k a·b for columns [n0, n1), f32, row stride ld_out. Streams B once,
+  // decoding as it goes. The driver asks for at most small_m_cols columns per call, and
+  // splits columns between threads in multiples of small_m_align.
   void (*small_m)(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t n1, float* out, int64_t ld_out);
+  int64_t small_m_rows = kGemmSmallM;
+  int64_t small_m_cols = 256;
+  int64_t small_m_align = 4;
+  bool small_m_any_a = false;
 };
-
-// Up to this many rows of A (both operands K-major) take the small-M path; beyond it B is
-// packed once and reused by enough rows to pay for the packing.
-inline constexpr int64_t kGemmSmallM = 4;
 
 const GemmKernels& gemm_kernels_scalar();
 const GemmKernels& gemm_kernels_avx2();

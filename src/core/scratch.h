@@ -1,0 +1,32 @@
+// A growable, 64-byte aligned float buffer, kept by its owner (typically thread_local) so
+// that hot loops reuse one allocation. Contents are not preserved when it grows.
+#pragma once
+
+#include <cstddef>
+#include <cstdlib>
+#include <memory>
+#include <new>
+
+namespace moekit::detail {
+
+class Scratch {
+ public:
+  float* get(size_t n) {
+    if (n > size_) {
+      const size_t bytes = ((n * sizeof(float) + 63) / 64) * 64;
+      buf_.reset(static_cast<float*>(std::aligned_alloc(64, bytes)));
+      if (!buf_) throw std::bad_alloc();
+      size_ = n;
+    }
+    return buf_.get();
+  }
+
+ private:
+  struct Free {
+    void operator()(float* p) const { std::free(p); }
+  };
+  std::unique_ptr<float, Free> buf_;
+  size_t size_ = 0;
+};
+
+}  // namespace moekit::detail
