@@ -649,6 +649,11 @@ void stream_strip(const Stream& st, int64_t j0, int rows, float* acc) {
 // out[m, j - n0] = Σ_k a[m, k] · b[j, k] for m < a.mn (at most kStreamM), j in [n0, n1); B
 // K-major. A is packed once per call.
 void stream_small_m(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t n1, float* out, int64_t ld_out) {
+  // One row of A uses a sixteenth of each product; the FMA kernel, which decodes B straight
+  // into registers, streamed FP8 and FP4 weights faster there (bf16 the same), and gives
+  // the FMA paths' bits.
+  if (a.mn == 1 && a.k_major && (!b.sf || b.gran_k % 8 == 0))
+    return gemm_kernels_avx512().small_m(a, b, n0, n1, out, ld_out);
   configure();
   const int64_t k = a.k, blocks = std::max<int64_t>(1, (k + kKc - 1) / kKc), steps = step_count(k);
   // Steps between promotions: the finer group of a promoted operand, as in promoted_tile.
