@@ -635,42 +635,59 @@ TEST(GemmAmx, TakesWhatItCanPromoteAndLeavesTheRestToAvx512) {
   EXPECT_EQ(pack_fp8_fp4_weights(qb96, true, o96).isa(), Isa::avx512);
 }
 
-// Up to 32 rows of A stream B through the tiles (B decoded a chunk of 32 rows x 256 K at a
-// time). FP4 weights with power-of-two scales are folded there by adding the scale's exponent
-// to the code's bf16 bits, which the streaming decoder does only for exponents from 2^-100 to
-// 2^120; a chunk with a larger scale is decoded the general way. Scales at and around both
-// edges, in some chunks only, must give the blocked path's bits (packed weights) and the
-// oracle's values; K = 800 ends in a partial chunk, N = 70 in a partial strip. With 2^126
-// (6 · 2^126 overflows to inf, which an exponent add would turn into NaN) only the bits
-// are compared.
-TEST(GemmAmx, StreamedFp4ScalesAtTheFoldingEdges) {
+// Up to 32 rows of A stream B through the tiles (B decoded a chunk of up to 32 rows x 256 K
+// at a time). FP4 and FP8 weights with power-of-two scales are folded there by adding the
+// scale's exponent to the code's bf16 bits, which the streaming decoders do only for
+// exponents from 2^-100 to 2^120 (FP4) or 2^119 (FP8: 448 · 2^119 is the largest finite
+// product); a chunk with any other scale is decoded the general way. Scales at and around
+// both edges, in some chunks only, must give the blocked path's bits (packed weights), and
+// the oracle's values where the weights stay finite; K = 800 ends in a partial chunk, N = 70
+// in a partial strip. Past the edges (2^126: an exponent add would turn inf into NaN), and
+// with NaN codes among the FP8 weights, only the bits are compared.
+TEST(GemmAmx, StreamedWeightsScalesAtTheFoldingEdges) {
   if (!isa_supported(Isa::amx)) GTEST_SKIP() << "no AMX-BF16 (or not granted) on this CPU";
   ScopedIsa amx(Isa::amx);
-  const int64_t m = 8, n = 70, k = 800, groups = k / 32;
-  const Quantized qa = per_token_cast_to_fp8(random_bf16(m, k, 81), true, 32);
-  for (float* s = qa.sf.data_ptr<float>(); s < qa.sf.data_ptr<float>() + m * groups; ++s) *s = std::ldexp(*s, -60);
-  GemmOptions o;
-  o.recipe = Recipe{1, 1, 32};
-  for (const int largest : {124, 126}) {
-    SCOPED_TRACE("largest scale 2^" + std::to_string(largest));
-    Quantized qb = per_token_cast_to_fp4(random_bf16(n, k, 82), true, 32);
-    const int exponents[] = {-100, -99, 0, 7, 119, 120, 121, largest};
+  const int64_t m = 8, n = 70, k = 800;
+  struct Config {
+    bool fp4;
+    int fast_hi, over, largest;  // the fast path's largest exponent, one past it (or not), any
+  };
+  int oracle_checks = 0;
+  for (const Config cf : {Config{true, 120, 121, 124}, Config{true, 120, 121, 126}, Config{false, 119, 119, 119},
+                          Config{false, 119, 120, 126}}) {
+    SCOPED_TRACE(std::string(cf.fp4 ? "fp4" : "fp8") + ", largest scale 2^" + std::to_string(cf.largest));
+    const int64_t gran = cf.fp4 ? 32 : 128, groups = (k + gran - 1) / gran;
+    const Quantized qa = per_token_cast_to_fp8(random_bf16(m, k, 81), true, gran);
+    for (float* s = qa.sf.data_ptr<float>(); s < qa.sf.data_ptr<float>() + m * groups; ++s) *s = std::ldexp(*s, -60);
+    const Tensor xb = random_bf16(n, k, 82);
+    Quantized qb = cf.fp4 ? per_token_cast_to_fp4(xb, true, gran) : per_token_cast_to_fp8(xb, true, gran);
+    const int exponents[] = {-100, -99, 0, 7, cf.fast_hi - 1, cf.fast_hi, cf.over, cf.largest};
     float* sf = qb.sf.data_ptr<float>();
+    const int64_t per_chunk = 256 / gran;
     for (int64_t r = 0; r < n; ++r)
       for (int64_t g = 0; g < groups; ++g) {
-        // Chunks 0 and 2 (groups 0-7, 16-23) keep exponents within the fast range; chunk 1
-        // and the partial chunk 3 take any of them, in some rows only.
-        const bool any = (g / 8 == 1 || g / 8 == 3) && r % 3 == 0;
+        // Chunks 0 and 2 keep exponents within the fast range; chunk 1 and the partial chunk
+        // 3 take any of them, in some rows only.
+        const bool any = (g / per_chunk == 1 || g / per_chunk == 3) && r % 3 == 0;
         sf[r * groups + g] = std::ldexp(1.0f, exponents[(r + 3 * g) % (any ? 8 : 6)]);
       }
+    if (!cf.fp4 && cf.largest == 126) {  // NaN codes of either sign and a negative zero, in a fast chunk
+      uint8_t* codes = qb.values.data_ptr<uint8_t>();
+      codes[5 * k + 10] = 0x7f, codes[6 * k + 11] = 0xff, codes[7 * k + 12] = 0x80;
+    }
+    GemmOptions o;
+    o.recipe = Recipe{1, 1, gran};
     Tensor streamed = Tensor::empty({m, n}, DType::f32), blocked = Tensor::empty({m, n}, DType::f32);
     fp8_fp4_gemm_nt(qa, qb, streamed, Tensor(), o);
     fp8_fp4_gemm_packed(qa, pack_fp8_fp4_weights(qb, true, o), blocked, Tensor(), o);
     EXPECT_EQ(0, std::memcmp(streamed.data(), blocked.data(), m * n * 4));
-    if (largest == 126) continue;
-    const std::vector<double> want = ref::gemm(Layout::nt, {qa.values, qa.sf, 1, 32}, {qb.values, qb.sf, 1, 32});
+    const float* got = streamed.data_ptr<float>();
+    if (!std::all_of(got, got + m * n, [](float v) { return std::isfinite(v); })) continue;
+    ++oracle_checks;
+    const std::vector<double> want = ref::gemm(Layout::nt, {qa.values, qa.sf, 1, gran}, {qb.values, qb.sf, 1, gran});
     EXPECT_LE(ref::calc_diff(ref::to_f64(streamed), want), 1e-5);
   }
+  EXPECT_GE(oracle_checks, 2);  // FP4 up to 2^124 and FP8 up to 2^119 stay finite
 }
 
 TEST(GemmPacked, BadInputRaisesNamedErrors) {

@@ -185,51 +185,79 @@ __attribute__((target("avx512vbmi"))) void e4m3_to_bf16(const uint8_t* src, int6
   }
 }
 
-// A whole chunk of 32 rows x 256 raw e4m3 codes (rows `row_bytes` apart) as load_words lays
+// A whole chunk of `rows` rows x 256 e4m3 codes (rows `row_bytes` apart) as load_words lays
 // out bf16: the tables stay in registers across the chunk (the per-row decoder above reloads
 // them and handles tails; here that overhead was most of the streaming kernel's time).
-__attribute__((target("avx512vbmi"))) void e4m3_chunk_to_bf16(const uint8_t* src, int64_t row_bytes, uint32_t* out) {
+// `shifts` (null: raw codes) folds power-of-two scales: shifts[r * groups + g] is the
+// scale exponent times 128, added to the bf16 bits of every finite nonzero value of 32-wide
+// group g (K groups of 32 · 2^j share their shift), which is exact when the results stay
+// bf16 normals (e2m1_chunk_to_bf16 says which scales those are).
+__attribute__((target("avx512vbmi"))) void e4m3_chunk_to_bf16(const uint8_t* src, int64_t row_bytes, int rows,
+                                                              const int16_t* shifts, uint32_t* out) {
   static const E4m3ToBf16 t;
+  constexpr int kGroups = kChunk / 32;
   const __m512i lo_a = t.lo_a, lo_b = t.lo_b, hi_a = t.hi_a, hi_b = t.hi_b, first = t.first, second = t.second;
   const __m512i magnitude = _mm512_set1_epi8(0x7f), sign = _mm512_set1_epi8(static_cast<char>(0x80));
-  for (int r = 0; r < kMr; ++r) {
+  for (int r = 0; r < rows; ++r) {
     auto* dst = reinterpret_cast<uint16_t*>(out + r * (kChunk / 2));
     for (int i = 0; i < kChunk; i += 64) {
       const __m512i x = _mm512_loadu_si512(src + r * row_bytes + i), mag = _mm512_and_si512(x, magnitude);
       const __m512i lo = _mm512_permutex2var_epi8(lo_a, mag, lo_b);
       const __m512i hi = _mm512_or_si512(_mm512_permutex2var_epi8(hi_a, mag, hi_b), _mm512_and_si512(x, sign));
-      _mm512_store_si512(dst + i, _mm512_permutex2var_epi8(lo, first, hi));
-      _mm512_store_si512(dst + i + 32, _mm512_permutex2var_epi8(lo, second, hi));
+      __m512i v0 = _mm512_permutex2var_epi8(lo, first, hi), v1 = _mm512_permutex2var_epi8(lo, second, hi);
+      if (shifts) {
+        // Finite nonzero codes (not 0 or NaN 0x7f, either sign) take the shift.
+        const __mmask64 scaled = _mm512_test_epi8_mask(x, magnitude) & ~_mm512_cmpeq_epi8_mask(mag, magnitude);
+        const int16_t* sh = shifts + r * kGroups + i / 32;
+        v0 = _mm512_mask_add_epi16(v0, static_cast<__mmask32>(scaled), v0, _mm512_set1_epi16(sh[0]));
+        v1 = _mm512_mask_add_epi16(v1, static_cast<__mmask32>(scaled >> 32), v1, _mm512_set1_epi16(sh[1]));
+      }
+      _mm512_store_si512(dst + i, v0);
+      _mm512_store_si512(dst + i + 32, v1);
     }
   }
 }
 
-// A whole chunk of 32 rows x 256 e2m1 values (K-major, scales folded: every scale of the
+// The bf16 exponent shifts (scale exponent x 128) of the scales of rows [i0, i0 + rows) for
+// the chunk's 32-wide K groups: out[r * 8 + g] (gran_k a multiple of 32). False when a scale is not a power of two
+// from 2^lowest to 2^highest: the caller then decodes the chunk the general way.
+bool chunk_shifts(const GemmOperand& op, int64_t i0, int rows, int64_t k0, int lowest, int highest, int16_t* out) {
+  constexpr int kGroups = kChunk / 32;
+  for (int r = 0; r < rows; ++r) {
+    const void* sf_row = scale_row(op, i0 + r);
+    for (int g = 0; g < kGroups; ++g) {
+      const int64_t group = (k0 + g * 32) / op.gran_k;  // (gran_k a multiple of 32: one group per 32)
+      if (g > 0 && group == (k0 + (g - 1) * 32) / op.gran_k) {
+        out[r * kGroups + g] = out[r * kGroups + g - 1];
+        continue;
+      }
+      const uint32_t bits = std::bit_cast<uint32_t>(group_scale(op, sf_row, group));
+      const int32_t exponent = static_cast<int32_t>((bits >> 23) & 0xff) - 127;
+      if ((bits & 0x807fffffu) != 0 || exponent < lowest || exponent > highest) return false;
+      out[r * kGroups + g] = static_cast<int16_t>(exponent * 128);
+    }
+  }
+  return true;
+}
+
+// A whole chunk of `rows` rows x 256 e2m1 values (K-major, scales folded: every scale of the
 // chunk a power of two) as load_words lays out bf16. A value is the code's bf16 bits from a
 // 16-word table (sign included) plus the scale's exponent in the bf16 exponent field; exact,
 // since the target folds only scales from 2^-100 (products stay bf16 normals) and this
 // takes only exponents up to 2^120 (no overflow). Returns false, with nothing written, when
 // a scale of the chunk is outside that range: the caller decodes it the general way.
-__attribute__((target("avx512bw"))) bool e2m1_chunk_to_bf16(const GemmOperand& op, int64_t i0, int64_t k0,
+__attribute__((target("avx512bw"))) bool e2m1_chunk_to_bf16(const GemmOperand& op, int64_t i0, int rows, int64_t k0,
                                                             uint32_t* out) {
-  constexpr int kGroups = kChunk / 32;  // gran_k is 32 here: one scale per output vector
+  constexpr int kGroups = kChunk / 32;  // one shift per output vector of 32
   alignas(64) int16_t shift[kMr][kGroups];
-  for (int r = 0; r < kMr; ++r) {
-    const void* sf_row = scale_row(op, i0 + r);
-    for (int g = 0; g < kGroups; ++g) {
-      const uint32_t bits = std::bit_cast<uint32_t>(group_scale(op, sf_row, k0 / 32 + g));
-      const int32_t exponent = static_cast<int32_t>((bits >> 23) & 0xff);
-      if ((bits & 0x807fffffu) != 0 || exponent < 127 - 100 || exponent > 127 + 120) return false;
-      shift[r][g] = static_cast<int16_t>((exponent - 127) * 128);
-    }
-  }
+  if (!chunk_shifts(op, i0, rows, k0, -100, 120, &shift[0][0])) return false;
   static const __m512i table = [] {
     alignas(64) uint16_t t[32] = {};
     for (int c = 0; c < 16; ++c) t[c] = static_cast<uint16_t>(std::bit_cast<uint32_t>(tables().e2m1[c]) >> 16);
     return _mm512_load_si512(t);
   }();
   const __m512i low = _mm512_set1_epi32(0xf), high = _mm512_set1_epi32(0xf0), magnitude = _mm512_set1_epi16(0x7fff);
-  for (int r = 0; r < kMr; ++r) {
+  for (int r = 0; r < rows; ++r) {
     const uint8_t* src = row_ptr(op, i0 + r) + k0 / 2;
     auto* dst = reinterpret_cast<uint16_t*>(out + r * kChunkWords);
     for (int g = 0; g < kGroups; ++g) {
@@ -479,24 +507,31 @@ void tile(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, int
 // ---------------------------------------------------------------- small M: weights streamed
 // Decode (M at most kStreamM rows of A) is bound by reading B once. Packing B into panels
 // first would read it, write it and read it again; here the tiles compute D^T = B · A^T
-// instead: 32 rows of B (K-major) are decoded 256 K at a time into an L1 buffer that the
-// tiles load as A tiles (row stride 512 bytes; plain bf16 rows are loaded where they are),
-// and A, packed once per call as B panels, supplies the other operand. Each C tile is
+// instead: a strip of B rows (K-major) is decoded 256 K at a time into an L1 buffer that
+// the tiles load as A tiles (row stride 512 bytes; plain bf16 rows are loaded where they
+// are), and A, packed once per call as B panels, supplies the other operand. Each C tile is
 // weights x activations, stationary over all of K. The sums are those of the blocked path,
 // step for step (tdpbf16ps is symmetric in its operands; the same steps, groups and
 // promotion fma in the same order), so a call gives the same bits whichever path its M takes.
 //
-// At most 16 rows of A use two C tiles; promoted operands then alternate between tiles
-// (0, 2) and (1, 3) from one K group to the next, so that storing and promoting a group's
-// sums overlaps the next group's products instead of draining the tiles.
+// Promoted scales send each K group's sums out of the tiles; draining all four C tiles at
+// once stalls the products. So two of the four C tiles hold a strip and the other two the
+// next K group, and storing and promoting one group overlaps the next group's products:
+//  - narrow (at most 16 rows of A): strips of 32 weight rows, one activation tile
+//    column; groups alternate between tiles (0, 2) and (1, 3);
+//  - wide, promoted (17 to 32 rows of A): strips of 16 weight rows, both activation tile
+//    columns; groups alternate between tiles (0, 1) and (2, 3);
+//  - wide, not promoted: strips of 32 rows on all four C tiles (no group ends to drain).
 
+enum class StreamShape : uint8_t { narrow, wide_half, wide };
 
 struct Stream {
   const GemmOperand& a;  // activations: columns of the C tiles
   const GemmOperand& b;  // weights: rows of the C tiles
   const float* act;      // A's panels, one per K block of kKc
   const float* sa;       // A's scale per promotion group and row: sa[g * 32 + m] (1 if A is not promoted)
-  bool wide;             // more than 16 rows of A: four C tiles
+  StreamShape shape;
+  int strip;             // weight rows per strip: 16 (wide_half) or 32
   bool promoted;
   int64_t group_steps;   // steps per promotion group
 };
@@ -518,6 +553,23 @@ inline void narrow_steps(const uint8_t* w, int64_t stride, const uint8_t* x, int
   }
 }
 
+template <bool kOdd>
+inline void half_steps(const uint8_t* w, int64_t stride, const uint8_t* x, int64_t s0, int64_t s1) {
+  for (int64_t s = s0; s < s1; ++s) {
+    const uint8_t* xs = x + s * 2 * kTileBytes;
+    _tile_loadd(4, w + s * 64, stride);
+    _tile_loadd(6, xs, 64);
+    _tile_loadd(7, xs + kTileBytes, 64);
+    if constexpr (kOdd) {
+      _tile_dpbf16ps(2, 4, 6);
+      _tile_dpbf16ps(3, 4, 7);
+    } else {
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+  }
+}
+
 inline void wide_steps(const uint8_t* w, int64_t stride, const uint8_t* x, int64_t s0, int64_t s1) {
   for (int64_t s = s0; s < s1; ++s) {
     const uint8_t* xs = x + s * 2 * kTileBytes;
@@ -535,34 +587,57 @@ inline void wide_steps(const uint8_t* w, int64_t stride, const uint8_t* x, int64
 // Steps [s0, s1) of the chunk into the C tiles of group parity `odd`.
 void run_steps_streamed(const Stream& st, bool odd, const uint8_t* w, int64_t stride, const uint8_t* x, int64_t s0,
                         int64_t s1) {
-  if (st.wide) wide_steps(w, stride, x, s0, s1);
-  else if (odd) narrow_steps<true>(w, stride, x, s0, s1);
-  else narrow_steps<false>(w, stride, x, s0, s1);
-}
-
-// The C tiles of group parity `odd` to sums[n * 32 + m] (narrow: columns 0-15 only), then zeroed.
-void take_sums(const Stream& st, bool odd, float* sums) {
-  constexpr int64_t kStride = kNr * 4;
-  if (st.wide) {
-    store_c(sums, kStride);
-    zero_c();
-  } else if (odd) {
-    _tile_stored(1, sums, kStride);
-    _tile_stored(3, sums + 16 * kNr, kStride);
-    _tile_zero(1);
-    _tile_zero(3);
-  } else {
-    _tile_stored(0, sums, kStride);
-    _tile_stored(2, sums + 16 * kNr, kStride);
-    _tile_zero(0);
-    _tile_zero(2);
+  switch (st.shape) {
+    case StreamShape::wide: return wide_steps(w, stride, x, s0, s1);
+    case StreamShape::wide_half: return odd ? half_steps<true>(w, stride, x, s0, s1) : half_steps<false>(w, stride, x, s0, s1);
+    case StreamShape::narrow: return odd ? narrow_steps<true>(w, stride, x, s0, s1) : narrow_steps<false>(w, stride, x, s0, s1);
   }
 }
 
-// acc[n][m] = fma(part[n][m], sa[m] · sb[n], acc[n][m]): the blocked path's promotion, transposed.
-void promote_strip(const float* part, const float* sa, const float* sb, bool wide, float* acc) {
+// The C tiles of group parity `odd` to sums[n * 32 + m] (narrow: columns 0-15 only;
+// wide_half: rows 0-15 only), then zeroed.
+void take_sums(const Stream& st, bool odd, float* sums) {
+  constexpr int64_t kStride = kNr * 4;
+  float* lower = sums + 16 * kNr;  // narrow: weight rows 16-31
+  float* right = sums + 16;        // wide_half: activations 16-31
+  switch (st.shape) {
+    case StreamShape::wide:
+      store_c(sums, kStride);
+      return zero_c();
+    case StreamShape::wide_half:
+      if (odd) {
+        _tile_stored(2, sums, kStride);
+        _tile_stored(3, right, kStride);
+        _tile_zero(2);
+        _tile_zero(3);
+      } else {
+        _tile_stored(0, sums, kStride);
+        _tile_stored(1, right, kStride);
+        _tile_zero(0);
+        _tile_zero(1);
+      }
+      return;
+    case StreamShape::narrow:
+      if (odd) {
+        _tile_stored(1, sums, kStride);
+        _tile_stored(3, lower, kStride);
+        _tile_zero(1);
+        _tile_zero(3);
+      } else {
+        _tile_stored(0, sums, kStride);
+        _tile_stored(2, lower, kStride);
+        _tile_zero(0);
+        _tile_zero(2);
+      }
+      return;
+  }
+}
+
+// acc[n][m] = fma(part[n][m], sa[m] · sb[n], acc[n][m]) for n < rows (and m < 16 unless
+// wide): the blocked path's promotion, transposed.
+void promote_strip(const float* part, const float* sa, const float* sb, int rows, bool wide, float* acc) {
   const __m512 sa0 = _mm512_loadu_ps(sa), sa1 = _mm512_loadu_ps(sa + 16);
-  for (int n = 0; n < kMr; ++n) {
+  for (int n = 0; n < rows; ++n) {
     const __m512 bn = _mm512_set1_ps(sb[n]);
     float* row = acc + n * kNr;
     _mm512_store_ps(row, _mm512_fmadd_ps(_mm512_load_ps(part + n * kNr), _mm512_mul_ps(sa0, bn), _mm512_load_ps(row)));
@@ -572,39 +647,52 @@ void promote_strip(const float* part, const float* sa, const float* sb, bool wid
   }
 }
 
-// One strip's weights for the tiles: rows [j0, j0 + rows) of B, chunk by chunk.
+// One strip's weights for the tiles: rows [j0, j0 + rows) of B (rows at most the strip),
+// chunk by chunk.
 class StripSource {
  public:
-  StripSource(const GemmOperand& b, int64_t j0, int rows)
-      : b_(b), j0_(j0), rows_(rows), row_bytes_(b.ld * static_cast<int64_t>(element_size(b.dtype))),
+  StripSource(const GemmOperand& b, int64_t j0, int rows, int strip)
+      : b_(b), j0_(j0), rows_(rows), full_(rows == strip), row_bytes_(b.ld * static_cast<int64_t>(element_size(b.dtype))),
         first_row_(row_ptr(b, j0)),
         raw_e4m3_(b.dtype == DType::e4m3 && (!b.sf || b.promote) && cpu_features().avx512vbmi),
-        folded_e2m1_(b.dtype == DType::e2m1x2 && b.sf && !b.promote && b.gran_k == 32) {}
+        folded_e4m3_(b.dtype == DType::e4m3 && b.sf && !b.promote && b.gran_k % 32 == 0 && cpu_features().avx512vbmi),
+        folded_e2m1_(b.dtype == DType::e2m1x2 && b.sf && !b.promote && b.gran_k % 32 == 0) {}
 
   // Chunk [k0, k0 + kChunk) as A tiles: where they are (plain bf16 rows in place) or
-  // decoded into `words`; sets the row stride.
+  // decoded into `words` (rows past the strip's stay as they are: a 16-row strip loads
+  // only rows 0-15); sets the row stride.
   const uint8_t* chunk(int64_t k0, uint32_t* words, int64_t& stride) const {
     const int64_t len = std::min(kChunk, b_.k - k0);
-    const bool whole = rows_ == kMr && len == kChunk;
-    if (plain_bf16(b_) && rows_ == kMr && len % kStep == 0) {
+    const bool whole = full_ && len == kChunk;
+    if (plain_bf16(b_) && full_ && len % kStep == 0) {
       stride = row_bytes_;
       return first_row_ + k0 * 2;
     }
     if (plain_bf16(b_)) load_words(b_, j0_, rows_, k0, len, words, kChunkWords);
-    else if (raw_e4m3_ && whole) e4m3_chunk_to_bf16(first_row_ + k0, row_bytes_, words);
-    else if (!(folded_e2m1_ && whole && e2m1_chunk_to_bf16(b_, j0_, k0, words)))
+    else if (raw_e4m3_ && whole) e4m3_chunk_to_bf16(first_row_ + k0, row_bytes_, rows_, nullptr, words);
+    else if (!(whole && folded_e4m3_ && folded_e4m3(k0, words)) &&
+             !(whole && folded_e2m1_ && e2m1_chunk_to_bf16(b_, j0_, rows_, k0, words)))
       decode_words(b_, j0_, rows_, k0, len, words, kChunkWords);
     stride = kChunkWords * 4;
     return reinterpret_cast<const uint8_t*>(words);
   }
 
  private:
+  // e4m3 values run from 2^-9 to 1.75 · 2^8: scaled by 2^-100 .. 2^119 they stay bf16 normals.
+  bool folded_e4m3(int64_t k0, uint32_t* words) const {
+    alignas(64) int16_t shifts[kMr * (kChunk / 32)];
+    if (!chunk_shifts(b_, j0_, rows_, k0, -100, 119, shifts)) return false;
+    e4m3_chunk_to_bf16(first_row_ + k0, row_bytes_, rows_, shifts, words);
+    return true;
+  }
+
   const GemmOperand& b_;
   int64_t j0_;
   int rows_;
+  bool full_;
   int64_t row_bytes_;
   const uint8_t* first_row_;
-  bool raw_e4m3_, folded_e2m1_;
+  bool raw_e4m3_, folded_e4m3_, folded_e2m1_;
 };
 
 // Weight rows [j0, j0 + rows) against every row of A, all of K: acc[n * 32 + m].
@@ -614,7 +702,7 @@ class StripSource {
 void stream_strip(const Stream& st, int64_t j0, int rows, float* acc) {
   const GemmOperand& b = st.b;
   const int64_t k = b.k, steps = step_count(k);
-  const StripSource source(b, j0, rows);
+  const StripSource source(b, j0, rows, st.strip);
   alignas(64) static thread_local uint32_t buffers[2][kMr * kChunkWords];
   alignas(64) float part[kMr * kNr], sb[kMr];
   const void* sf_rows[kMr] = {};
@@ -636,8 +724,8 @@ void stream_strip(const Stream& st, int64_t j0, int rows, float* acc) {
       if (st.promoted && ((first + s) % st.group_steps == 0 || first + s == steps)) {
         take_sums(st, group & 1, part);
         const int64_t g = group * st.group_steps * kStep / std::max<int64_t>(b.gran_k, 1);
-        for (int r = 0; r < kMr; ++r) sb[r] = !b.promote ? 1.0f : r < rows ? group_scale(b, sf_rows[r], g) : 0.0f;
-        promote_strip(part, st.sa + group * kMr, sb, st.wide, acc);
+        for (int r = 0; r < st.strip; ++r) sb[r] = !b.promote ? 1.0f : r < rows ? group_scale(b, sf_rows[r], g) : 0.0f;
+        promote_strip(part, st.sa + group * kMr, sb, st.strip, st.shape != StreamShape::narrow, acc);
         ++group;
       }
     }
@@ -669,10 +757,13 @@ void stream_small_m(const GemmOperand& a, const GemmOperand& b, int64_t n0, int6
   for (int64_t g = 0; g < groups; ++g)
     for (int m = 0; m < kMr; ++m)
       sa[g * kMr + m] = !a.promote ? 1.0f : m < a.mn ? group_scale(a, scale_row(a, m), g * group * kStep / a.gran_k) : 0.0f;
-  const Stream st{a, b, act, sa, a.mn > 16, a.promote || b.promote, group};
+  const bool promoted = a.promote || b.promote;
+  const StreamShape shape = a.mn <= 16 ? StreamShape::narrow : promoted ? StreamShape::wide_half : StreamShape::wide;
+  const int strip = shape == StreamShape::wide_half ? 16 : kMr;
+  const Stream st{a, b, act, sa, shape, strip, promoted, group};
   alignas(64) float acc[kMr * kNr];
-  for (int64_t j0 = n0; j0 < n1; j0 += kMr) {
-    const int rows = static_cast<int>(std::min<int64_t>(kMr, n1 - j0));
+  for (int64_t j0 = n0; j0 < n1; j0 += strip) {
+    const int rows = static_cast<int>(std::min<int64_t>(strip, n1 - j0));
     stream_strip(st, j0, rows, acc);
     for (int64_t m = 0; m < a.mn; ++m)
       for (int n = 0; n < rows; ++n) out[m * ld_out + (j0 - n0) + n] = acc[n * kNr + m];
