@@ -206,11 +206,17 @@ __attribute__((target("avx512vbmi"))) void e4m3_chunk_to_bf16(const uint8_t* src
       const __m512i hi = _mm512_or_si512(_mm512_permutex2var_epi8(hi_a, mag, hi_b), _mm512_and_si512(x, sign));
       __m512i v0 = _mm512_permutex2var_epi8(lo, first, hi), v1 = _mm512_permutex2var_epi8(lo, second, hi);
       if (shifts) {
-        // Finite nonzero codes (not 0 or NaN 0x7f, either sign) take the shift.
-        const __mmask64 scaled = _mm512_test_epi8_mask(x, magnitude) & ~_mm512_cmpeq_epi8_mask(mag, magnitude);
+        // Finite nonzero codes (not 0 or NaN 0x7f, either sign) take the shift. NaN codes of
+        // either sign give the positive quiet NaN, as the scaling decoders (f32 value times
+        // scale) that the blocked path folds with do.
+        const __mmask64 nan = _mm512_cmpeq_epi8_mask(mag, magnitude);
+        const __mmask64 scaled = _mm512_test_epi8_mask(x, magnitude) & ~nan;
         const int16_t* sh = shifts + r * kGroups + i / 32;
+        const __m512i quiet_nan = _mm512_set1_epi16(0x7fc0);
         v0 = _mm512_mask_add_epi16(v0, static_cast<__mmask32>(scaled), v0, _mm512_set1_epi16(sh[0]));
         v1 = _mm512_mask_add_epi16(v1, static_cast<__mmask32>(scaled >> 32), v1, _mm512_set1_epi16(sh[1]));
+        v0 = _mm512_mask_mov_epi16(v0, static_cast<__mmask32>(nan), quiet_nan);
+        v1 = _mm512_mask_mov_epi16(v1, static_cast<__mmask32>(nan >> 32), quiet_nan);
       }
       _mm512_store_si512(dst + i, v0);
       _mm512_store_si512(dst + i + 32, v1);
