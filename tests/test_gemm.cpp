@@ -648,18 +648,26 @@ TEST(GemmAmx, StreamedWeightsScalesAtTheFoldingEdges) {
   if (!isa_supported(Isa::amx)) GTEST_SKIP() << "no AMX-BF16 (or not granted) on this CPU";
   ScopedIsa amx(Isa::amx);
   const int64_t m = 8, n = 70, k = 800;
+  // Positive operands: weights scaled past the finite range are +inf, and every product and
+  // sum with them is +inf, so a NaN where the blocked path has inf shows in the bits.
+  auto positive = [](Tensor t) {
+    for (uint16_t* p = t.data_ptr<uint16_t>(); p < t.data_ptr<uint16_t>() + t.numel(); ++p) *p &= 0x7fff;
+    return t;
+  };
   struct Config {
     bool fp4;
+    int64_t gran;
     int fast_hi, over, largest;  // the fast path's largest exponent, one past it (or not), any
   };
   int oracle_checks = 0;
-  for (const Config cf : {Config{true, 120, 121, 124}, Config{true, 120, 121, 126}, Config{false, 119, 119, 119},
-                          Config{false, 119, 120, 126}}) {
-    SCOPED_TRACE(std::string(cf.fp4 ? "fp4" : "fp8") + ", largest scale 2^" + std::to_string(cf.largest));
-    const int64_t gran = cf.fp4 ? 32 : 128, groups = (k + gran - 1) / gran;
-    const Quantized qa = per_token_cast_to_fp8(random_bf16(m, k, 81), true, gran);
+  for (const Config cf : {Config{true, 32, 120, 121, 124}, Config{true, 32, 120, 121, 126}, Config{false, 32, 119, 119, 119},
+                          Config{false, 128, 119, 120, 120}, Config{false, 128, 119, 120, 126}}) {
+    SCOPED_TRACE(std::string(cf.fp4 ? "fp4" : "fp8") + ", gran " + std::to_string(cf.gran) + ", largest scale 2^" +
+                 std::to_string(cf.largest));
+    const int64_t gran = cf.gran, groups = (k + gran - 1) / gran;
+    const Quantized qa = per_token_cast_to_fp8(positive(random_bf16(m, k, 81)), true, gran);
     for (float* s = qa.sf.data_ptr<float>(); s < qa.sf.data_ptr<float>() + m * groups; ++s) *s = std::ldexp(*s, -60);
-    const Tensor xb = random_bf16(n, k, 82);
+    const Tensor xb = positive(random_bf16(n, k, 82));
     Quantized qb = cf.fp4 ? per_token_cast_to_fp4(xb, true, gran) : per_token_cast_to_fp8(xb, true, gran);
     const int exponents[] = {-100, -99, 0, 7, cf.fast_hi - 1, cf.fast_hi, cf.over, cf.largest};
     float* sf = qb.sf.data_ptr<float>();
@@ -671,9 +679,12 @@ TEST(GemmAmx, StreamedWeightsScalesAtTheFoldingEdges) {
         const bool any = (g / per_chunk == 1 || g / per_chunk == 3) && r % 3 == 0;
         sf[r * groups + g] = std::ldexp(1.0f, exponents[(r + 3 * g) % (any ? 8 : 6)]);
       }
-    if (!cf.fp4 && cf.largest == 126) {  // NaN codes of either sign and a negative zero, in a fast chunk
+    if (!cf.fp4 && cf.largest == 126) {
+      // NaN codes of either sign and a negative zero in a fast chunk, in both halves of a
+      // 64-code block.
       uint8_t* codes = qb.values.data_ptr<uint8_t>();
-      codes[5 * k + 10] = 0x7f, codes[6 * k + 11] = 0xff, codes[7 * k + 12] = 0x80;
+      for (const int64_t at : {int64_t{10}, int64_t{40}})
+        codes[5 * k + at] = 0x7f, codes[6 * k + at + 1] = 0xff, codes[7 * k + at + 2] = 0x80;
     }
     GemmOptions o;
     o.recipe = Recipe{1, 1, gran};
