@@ -683,8 +683,10 @@ TEST(GemmAmx, StreamedWeightsScalesAtTheFoldingEdges) {
       // NaN codes of either sign and a negative zero in a fast chunk, in both halves of a
       // 64-code block.
       uint8_t* codes = qb.values.data_ptr<uint8_t>();
-      for (const int64_t at : {int64_t{10}, int64_t{40}})
-        codes[5 * k + at] = 0x7f, codes[6 * k + at + 1] = 0xff, codes[7 * k + at + 2] = 0x80;
+      for (const int64_t at : {int64_t{10}, int64_t{40}}) {
+        const int64_t row = at == 10 ? 5 : 8;  // (other rows: one NaN per dot product)
+        codes[row * k + at] = 0x7f, codes[(row + 1) * k + at + 1] = 0xff, codes[(row + 2) * k + at + 2] = 0x80;
+      }
     }
     GemmOptions o;
     o.recipe = Recipe{1, 1, gran};
