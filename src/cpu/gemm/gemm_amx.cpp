@@ -224,20 +224,48 @@ __attribute__((target("avx512vbmi"))) void e4m3_chunk_to_bf16(const uint8_t* src
   }
 }
 
+// chunk_shifts for one scale per 32 stored contiguously (FP4's recipe): a row's 8 scales
+// at once, f32 or packed ue8m0 (byte g of the row is group g's exponent).
+__attribute__((target("avx512bw,avx512vl"))) bool chunk_shifts_per_32(const GemmOperand& op, int64_t i0, int rows,
+                                                                     int64_t k0, int lowest, int highest, int16_t* out) {
+  const __m256i bias = _mm256_set1_epi32(127), lo = _mm256_set1_epi32(lowest), hi = _mm256_set1_epi32(highest);
+  const __m256i other_bits = _mm256_set1_epi32(static_cast<int>(0x807fffffu));
+  for (int r = 0; r < rows; ++r) {
+    const void* sf_row = scale_row(op, i0 + r);
+    __m256i exponent, clean = _mm256_setzero_si256();
+    if (op.sf_dtype == DType::f32) {
+      const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const float*>(sf_row) + k0 / 32));
+      exponent = _mm256_sub_epi32(_mm256_and_si256(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(0xff)), bias);
+      clean = _mm256_and_si256(bits, other_bits);
+    } else {
+      const auto* bytes = static_cast<const uint8_t*>(sf_row) + k0 / 32;
+      exponent = _mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes))), bias);
+      // (ue8m0 0 is 2^-127, 255 NaN: both outside any range asked for)
+    }
+    const __mmask8 bad = _mm256_test_epi32_mask(clean, clean) | _mm256_cmpgt_epi32_mask(lo, exponent) |
+                         _mm256_cmpgt_epi32_mask(exponent, hi);
+    if (bad) return false;
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + r * 8), _mm256_cvtepi32_epi16(_mm256_slli_epi32(exponent, 7)));
+  }
+  return true;
+}
+
 // The bf16 exponent shifts (scale exponent x 128) of the scales of rows [i0, i0 + rows) for
 // the chunk's 32-wide K groups: out[r * 8 + g] (gran_k a multiple of 32). False when a scale is not a power of two
 // from 2^lowest to 2^highest: the caller then decodes the chunk the general way.
 bool chunk_shifts(const GemmOperand& op, int64_t i0, int rows, int64_t k0, int lowest, int highest, int16_t* out) {
   constexpr int kGroups = kChunk / 32;
+  if (op.gran_k == 32 && op.sf_stride_k == 1) return chunk_shifts_per_32(op, i0, rows, k0, lowest, highest, out);
+  int64_t group[kGroups];  // (gran_k a multiple of 32: one scale group per 32; the same for every row)
+  for (int g = 0; g < kGroups; ++g) group[g] = (k0 + g * 32) / op.gran_k;
   for (int r = 0; r < rows; ++r) {
     const void* sf_row = scale_row(op, i0 + r);
     for (int g = 0; g < kGroups; ++g) {
-      const int64_t group = (k0 + g * 32) / op.gran_k;  // (gran_k a multiple of 32: one group per 32)
-      if (g > 0 && group == (k0 + (g - 1) * 32) / op.gran_k) {
+      if (g > 0 && group[g] == group[g - 1]) {
         out[r * kGroups + g] = out[r * kGroups + g - 1];
         continue;
       }
-      const uint32_t bits = std::bit_cast<uint32_t>(group_scale(op, sf_row, group));
+      const uint32_t bits = std::bit_cast<uint32_t>(group_scale(op, sf_row, group[g]));
       const int32_t exponent = static_cast<int32_t>((bits >> 23) & 0xff) - 127;
       if ((bits & 0x807fffffu) != 0 || exponent < lowest || exponent > highest) return false;
       out[r * kGroups + g] = static_cast<int16_t>(exponent * 128);
