@@ -640,7 +640,8 @@ TEST(GemmAmx, TakesWhatItCanPromoteAndLeavesTheRestToAvx512) {
 // scale's exponent to the code's bf16 bits, which the streaming decoders do only for
 // exponents from 2^-100 to 2^120 (FP4) or 2^119 (FP8: 448 · 2^119 is the largest finite
 // product); a chunk with any other scale is decoded the general way. Scales at and around
-// both edges, in some chunks only, must give the blocked path's bits (packed weights), and
+// both edges, in some chunks only, and a negative scale, must give the blocked path's bits
+// (packed weights), and
 // the oracle's values where the weights stay finite; K = 800 ends in a partial chunk, N = 70
 // in a partial strip. Past the edges (2^126: an exponent add would turn inf into NaN), and
 // with NaN codes among the FP8 weights, only the bits are compared.
@@ -679,6 +680,7 @@ TEST(GemmAmx, StreamedWeightsScalesAtTheFoldingEdges) {
         const bool any = (g / per_chunk == 1 || g / per_chunk == 3) && r % 3 == 0;
         sf[r * groups + g] = std::ldexp(1.0f, exponents[(r + 3 * g) % (any ? 8 : 6)]);
       }
+    sf[2 * groups] = -sf[2 * groups];  // a negative power of two: folded, but not by an exponent add
     if (!cf.fp4 && cf.largest == 126) {
       // NaN codes of either sign and a negative zero in a fast chunk, in both halves of a
       // 64-code block.
