@@ -680,7 +680,9 @@ TEST(GemmAmx, StreamedWeightsScalesAtTheFoldingEdges) {
         const bool any = (g / per_chunk == 1 || g / per_chunk == 3) && r % 3 == 0;
         sf[r * groups + g] = std::ldexp(1.0f, exponents[(r + 3 * g) % (any ? 8 : 6)]);
       }
-    sf[2 * groups] = -sf[2 * groups];  // a negative power of two: folded, but not by an exponent add
+    // A negative power of two: folded, but not by an exponent add. (Row 4 keeps unit scales
+    // elsewhere, so that its first group's sign shows in its sums.)
+    for (int64_t g = 0; g < groups; ++g) sf[4 * groups + g] = g == 0 ? -1.0f : 1.0f;
     if (!cf.fp4 && cf.largest == 126) {
       // NaN codes of either sign and a negative zero in a fast chunk, in both halves of a
       // 64-code block.
