@@ -628,44 +628,36 @@ void run_steps_streamed(const Stream& st, bool odd, const uint8_t* w, int64_t st
   }
 }
 
+// Tiles t0 and t1 to `first` and `second` (rows of 32 f32), then zeroed. (A macro: the tile
+// intrinsics take register numbers as literals.)
+#define MOEKIT_TAKE_TILE_PAIR(t0, first, t1, second) \
+  do {                                               \
+    _tile_stored(t0, first, kNr * 4);                \
+    _tile_stored(t1, second, kNr * 4);               \
+    _tile_zero(t0);                                  \
+    _tile_zero(t1);                                  \
+  } while (0)
+
 // The C tiles of group parity `odd` to sums[n * 32 + m] (narrow: columns 0-15 only;
 // wide_half: rows 0-15 only), then zeroed.
 void take_sums(const Stream& st, bool odd, float* sums) {
-  constexpr int64_t kStride = kNr * 4;
   float* lower = sums + 16 * kNr;  // narrow: weight rows 16-31
   float* right = sums + 16;        // wide_half: activations 16-31
   switch (st.shape) {
     case StreamShape::wide:
-      store_c(sums, kStride);
+      store_c(sums, kNr * 4);
       return zero_c();
     case StreamShape::wide_half:
-      if (odd) {
-        _tile_stored(2, sums, kStride);
-        _tile_stored(3, right, kStride);
-        _tile_zero(2);
-        _tile_zero(3);
-      } else {
-        _tile_stored(0, sums, kStride);
-        _tile_stored(1, right, kStride);
-        _tile_zero(0);
-        _tile_zero(1);
-      }
+      if (odd) MOEKIT_TAKE_TILE_PAIR(2, sums, 3, right);
+      else MOEKIT_TAKE_TILE_PAIR(0, sums, 1, right);
       return;
     case StreamShape::narrow:
-      if (odd) {
-        _tile_stored(1, sums, kStride);
-        _tile_stored(3, lower, kStride);
-        _tile_zero(1);
-        _tile_zero(3);
-      } else {
-        _tile_stored(0, sums, kStride);
-        _tile_stored(2, lower, kStride);
-        _tile_zero(0);
-        _tile_zero(2);
-      }
+      if (odd) MOEKIT_TAKE_TILE_PAIR(1, sums, 3, lower);
+      else MOEKIT_TAKE_TILE_PAIR(0, sums, 2, lower);
       return;
   }
 }
+#undef MOEKIT_TAKE_TILE_PAIR
 
 // acc[n][m] = fma(part[n][m], sa[m] · sb[n], acc[n][m]) for n < rows (and m < 16 unless
 // wide): the blocked path's promotion, transposed.
