@@ -169,19 +169,27 @@ struct E4m3ToBf16 {
   }
 };
 
+// 64 codes x as bf16: v0 for codes 0-31, v1 for 32-63.
+__attribute__((target("avx512vbmi"))) inline void e4m3_block(const E4m3ToBf16& t, __m512i x, __m512i& v0, __m512i& v1) {
+  const __m512i magnitude = _mm512_set1_epi8(0x7f), sign = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i mag = _mm512_and_si512(x, magnitude);
+  const __m512i lo = _mm512_permutex2var_epi8(t.lo_a, mag, t.lo_b);
+  const __m512i hi = _mm512_or_si512(_mm512_permutex2var_epi8(t.hi_a, mag, t.hi_b), _mm512_and_si512(x, sign));
+  v0 = _mm512_permutex2var_epi8(lo, t.first, hi);
+  v1 = _mm512_permutex2var_epi8(lo, t.second, hi);
+}
+
 __attribute__((target("avx512vbmi"))) void e4m3_to_bf16(const uint8_t* src, int64_t n, uint16_t* dst) {
   static const E4m3ToBf16 t;
-  const __m512i magnitude = _mm512_set1_epi8(0x7f), sign = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int64_t i = 0; i < n; i += 64) {
     const int64_t len = std::min<int64_t>(64, n - i);
     const __mmask64 m = len == 64 ? ~__mmask64{0} : (__mmask64{1} << len) - 1;
-    const __m512i x = _mm512_maskz_loadu_epi8(m, src + i), mag = _mm512_and_si512(x, magnitude);
-    const __m512i lo = _mm512_permutex2var_epi8(t.lo_a, mag, t.lo_b);
-    const __m512i hi = _mm512_or_si512(_mm512_permutex2var_epi8(t.hi_a, mag, t.hi_b), _mm512_and_si512(x, sign));
+    __m512i v0, v1;
+    e4m3_block(t, _mm512_maskz_loadu_epi8(m, src + i), v0, v1);
     const __mmask32 m0 = static_cast<__mmask32>(len >= 32 ? ~0u : (1u << len) - 1);
     const __mmask32 m1 = static_cast<__mmask32>(len == 64 ? ~0u : len <= 32 ? 0u : (1u << (len - 32)) - 1);
-    _mm512_mask_storeu_epi16(dst + i, m0, _mm512_permutex2var_epi8(lo, t.first, hi));
-    _mm512_mask_storeu_epi16(dst + i + 32, m1, _mm512_permutex2var_epi8(lo, t.second, hi));
+    _mm512_mask_storeu_epi16(dst + i, m0, v0);
+    _mm512_mask_storeu_epi16(dst + i + 32, m1, v1);
   }
 }
 
@@ -194,18 +202,18 @@ __attribute__((target("avx512vbmi"))) void e4m3_to_bf16(const uint8_t* src, int6
 // bf16 normals (e2m1_chunk_to_bf16 says which scales those are).
 __attribute__((target("avx512vbmi"))) void e4m3_chunk_to_bf16(const uint8_t* src, int64_t row_bytes, int rows,
                                                               const int16_t* shifts, uint32_t* out) {
-  static const E4m3ToBf16 t;
+  static const E4m3ToBf16 table;
+  const E4m3ToBf16 t = table;  // (a local copy: the compiler keeps it in registers)
   constexpr int kGroups = kChunk / 32;
-  const __m512i lo_a = t.lo_a, lo_b = t.lo_b, hi_a = t.hi_a, hi_b = t.hi_b, first = t.first, second = t.second;
-  const __m512i magnitude = _mm512_set1_epi8(0x7f), sign = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i magnitude = _mm512_set1_epi8(0x7f);
   for (int r = 0; r < rows; ++r) {
-    auto* dst = reinterpret_cast<uint16_t*>(out + r * (kChunk / 2));
+    auto* dst = reinterpret_cast<uint16_t*>(out + r * kChunkWords);
     for (int i = 0; i < kChunk; i += 64) {
-      const __m512i x = _mm512_loadu_si512(src + r * row_bytes + i), mag = _mm512_and_si512(x, magnitude);
-      const __m512i lo = _mm512_permutex2var_epi8(lo_a, mag, lo_b);
-      const __m512i hi = _mm512_or_si512(_mm512_permutex2var_epi8(hi_a, mag, hi_b), _mm512_and_si512(x, sign));
-      __m512i v0 = _mm512_permutex2var_epi8(lo, first, hi), v1 = _mm512_permutex2var_epi8(lo, second, hi);
+      const __m512i x = _mm512_loadu_si512(src + r * row_bytes + i);
+      __m512i v0, v1;
+      e4m3_block(t, x, v0, v1);
       if (shifts) {
+        const __m512i mag = _mm512_and_si512(x, magnitude);
         // Finite nonzero codes (not 0 or NaN 0x7f, either sign) take the shift. NaN codes of
         // either sign give the positive quiet NaN, as the scaling decoders (f32 value times
         // scale) that the blocked path folds with do.
@@ -251,8 +259,9 @@ __attribute__((target("avx512bw,avx512vl"))) bool chunk_shifts_per_32(const Gemm
 }
 
 // The bf16 exponent shifts (scale exponent x 128) of the scales of rows [i0, i0 + rows) for
-// the chunk's 32-wide K groups: out[r * 8 + g] (gran_k a multiple of 32). False when a scale is not a power of two
-// from 2^lowest to 2^highest: the caller then decodes the chunk the general way.
+// the chunk's 32-wide K groups: out[r * 8 + g] (gran_k a multiple of 32). False when a
+// scale is not a power of two from 2^lowest to 2^highest: the caller then decodes the
+// chunk the general way.
 bool chunk_shifts(const GemmOperand& op, int64_t i0, int rows, int64_t k0, int lowest, int highest, int16_t* out) {
   constexpr int kGroups = kChunk / 32;
   if (op.gran_k == 32 && op.sf_stride_k == 1) return chunk_shifts_per_32(op, i0, rows, k0, lowest, highest, out);
@@ -802,9 +811,11 @@ void stream_small_m(const GemmOperand& a, const GemmOperand& b, int64_t n0, int6
   for (int64_t pc = 0; pc < k; pc += kKc)
     pack_panels<true>(a, 0, a.mn, pc, std::min(kKc, k - pc), act + (pc / kKc) * panel_floats(kKc, kMr));
   float* sa = scales.get(static_cast<size_t>(groups * kMr));
-  for (int64_t g = 0; g < groups; ++g)
-    for (int m = 0; m < kMr; ++m)
-      sa[g * kMr + m] = !a.promote ? 1.0f : m < a.mn ? group_scale(a, scale_row(a, m), g * group * kStep / a.gran_k) : 0.0f;
+  for (int m = 0; m < kMr; ++m) {
+    const void* sf_row = a.promote && m < a.mn ? scale_row(a, m) : nullptr;
+    for (int64_t g = 0; g < groups; ++g)
+      sa[g * kMr + m] = !a.promote ? 1.0f : sf_row ? group_scale(a, sf_row, g * group * kStep / a.gran_k) : 0.0f;
+  }
   const bool promoted = a.promote || b.promote;
   const StreamShape shape = a.mn <= 16 ? StreamShape::narrow : promoted ? StreamShape::wide_half : StreamShape::wide;
   const int strip = shape == StreamShape::wide_half ? 16 : kMr;
