@@ -37,10 +37,12 @@ struct V {
   static F add(F a, F b) { return _mm256_add_ps(a, b); }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static F div(F a, F b) { return _mm256_div_ps(a, b); }
-  // ---- cast fast path (formats_simd.inc: reciprocal_codes, encode_bounded) ----
+  // ---- cast fast path (formats_simd.inc: quotient_codes, encode_bounded) ----
   static constexpr bool kFastCasts = true;
   static I xor_(I a, I b) { return _mm256_xor_si256(a, b); }
   static bool none(I a) { return _mm256_testz_si256(a, a); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }     // a·b + c, one rounding
+  static F fnmadd(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }   // c - a·b, one rounding
   static I round_int(F a) { return _mm256_cvtps_epi32(a); }  // current rounding mode: nearest-even
   static I max(I a, I b) { return _mm256_max_epi32(a, b); }
   // amax_groups of bf16 rows for groups of gran elements (a multiple of 16), eight groups at

@@ -1,6 +1,7 @@
 // AVX-512 target (16 lanes, F/BW/VL/DQ). Only reached via dispatch on CPUs that have it.
 #include <immintrin.h>
 
+#include <algorithm>
 #include <bit>
 #include <cstdint>
 #include <cstring>
@@ -42,11 +43,13 @@ struct V {
   static F add(F a, F b) { return _mm512_add_ps(a, b); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static F div(F a, F b) { return _mm512_div_ps(a, b); }
-  // ---- cast fast path (formats_simd.inc: reciprocal_codes, encode_bounded) ----
+  // ---- cast fast path (formats_simd.inc: quotient_codes, encode_bounded) ----
   // A zmm vdivps issues once per 10-16 cycles on Intel cores, most of the cast's time.
   static constexpr bool kFastCasts = true;
   static I xor_(I a, I b) { return _mm512_xor_si512(a, b); }
   static bool none(I a) { return _mm512_test_epi32_mask(a, a) == 0; }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }     // a·b + c, one rounding
+  static F fnmadd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }   // c - a·b, one rounding
   static I round_int(F a) { return _mm512_cvtps_epi32(a); }  // current rounding mode: nearest-even
   static I max(I a, I b) { return _mm512_max_epi32(a, b); }
   static F lut8(const float* table, I idx) {
@@ -83,9 +86,137 @@ struct V {
 using QuantizeKernel = void (*)(const void*, uint8_t*, int64_t, const float*, int64_t, bool, const void*, bool, Reciprocals);
 QuantizeKernel g_e4m3_bf16_zmm = nullptr, g_e4m3_bf16_ymm = nullptr;
 
+// body(g, i, end) for each scale group g of a row of n elements, [i, end).
+template <class Body>
+inline void for_each_group(int64_t n, int64_t gran, Body body) {
+  for (int64_t g = 0, i = 0; i < n; ++g, i += gran) body(g, i, min64(n, i + gran));
+}
+
+// acc[i] = max(acc[i], |x[i]|) on bf16 patterns, 32 lanes per op (amax_accumulate_bf16).
+void amax_accumulate_bf16_zmm(const uint16_t* x, int64_t n, uint16_t* acc) {
+  const __m512i magnitude = _mm512_set1_epi16(0x7fff);
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32)
+    _mm512_storeu_si512(acc + i, _mm512_max_epu16(_mm512_loadu_si512(acc + i), _mm512_and_si512(_mm512_loadu_si512(x + i), magnitude)));
+  for (; i < n; ++i) acc[i] = std::max<uint16_t>(acc[i], x[i] & 0x7fff);
+}
+
+// ---- bf16 -> e4m3 casts under f32 scales: codes of the quotients ----
+// Each code comes from the quotient RN(x / sf), formed by quotient_codes' two FMAs
+// (formats_simd.inc) and rounded on its bit pattern. Against the generic 512-bit kernel this
+// one places each code and x's sign in the top byte of its lane (a shift and a ternlog, no
+// separate sign extraction) and gathers the 64 top bytes with two vpermt2b and a blend, where
+// four vpmovdb cost eight shuffle uops: with the data in L2, the two vector ports bound
+// these casts. Per-channel casts give it one scale (and reciprocal) per lane; per-token casts
+// one per group of a multiple of 64 lanes. Blocks with a quotient below the least normal
+// (zeros, e4m3 subnormals) go through the generic kernel, which divides.
+// (vpermt2b is AVX512_VBMI: CPUs without it keep the generic kernel.)
+bool g_vbmi = false;
+
+struct QuotientConstants {
+  static constexpr int kShift = 20;  // 23 - M: the rounding bit of the quotient's pattern
+  static constexpr int32_t kLeastNormal = static_cast<int32_t>(pow2_bits(-6));
+  static constexpr int32_t kRebias = kLeastNormal - (8 << kShift);  // the least normal's pattern less its code's
+  __m512i magnitude = _mm512_set1_epi32(0x7fffffff), one = _mm512_set1_epi32(1);
+  __m512i half_down = _mm512_set1_epi32((1 << (kShift - 1)) - 1 - kRebias), sign = _mm512_set1_epi32(static_cast<int32_t>(0x80000000u));
+  __m512i least = _mm512_set1_epi32(kLeastNormal), top_bytes;
+  // The byte index of dword lane j's top byte: j < 16 from the first source, else (bit 6) the second.
+  __attribute__((target("avx512vbmi"))) QuotientConstants() {
+    alignas(64) uint8_t idx[64];
+    for (int j = 0; j < 64; ++j) idx[j] = static_cast<uint8_t>((j % 32) * 4 + 3);
+    top_bytes = _mm512_load_si512(idx);
+  }
+};
+
+// The codes of 64 bf16 lanes at x, vector j under reciprocals r[j] and scales sf[j]; false
+// (codes unset) when a quotient lies below the least normal.
+__attribute__((target("avx512vbmi"))) inline bool quotient_codes_64(const uint16_t* x, const __m512 r[4], const __m512 sf[4],
+                                                                    const QuotientConstants& c, __m512i& codes) {
+  constexpr int kShift = QuotientConstants::kShift;
+  __m512i top[4];
+  __m512 lowest = _mm512_castsi512_ps(c.magnitude);  // (a NaN pattern: vrangeps keeps the other operand)
+  for (int j = 0; j < 4; ++j) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16 * j)));
+    const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+    const __m512 y0 = _mm512_mul_ps(v, r[j]);
+    const __m512 y = _mm512_fmadd_ps(_mm512_fnmadd_ps(y0, sf[j], v), r[j], y0);
+    const __m512i b = _mm512_castps_si512(y);
+    lowest = _mm512_range_ps(lowest, y, 0x0a);  // min |.|, sign cleared: one uop for and + min
+    // Nearest even at the rounding bit, on the signed pattern (for normal quotients the sum
+    // stays clear of bit 31); then code << 24 and x's sign above it.
+    const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(b, c.half_down), _mm512_and_si512(_mm512_srli_epi32(b, kShift), c.one));
+    top[j] = _mm512_ternarylogic_epi32(_mm512_slli_epi32(rounded, 24 - kShift), b, c.sign, 0xf8);
+  }
+  if (_mm512_cmplt_epu32_mask(_mm512_castps_si512(lowest), c.least)) [[unlikely]] return false;
+  codes = _mm512_mask_blend_epi64(0xf0, _mm512_permutex2var_epi8(top[0], c.top_bytes, top[1]),
+                                  _mm512_permutex2var_epi8(top[2], c.top_bytes, top[3]));
+  return true;
+}
+
+template <bool Stream>
+inline void store_64(uint8_t* q, __m512i codes) {
+  if (Stream && (reinterpret_cast<uintptr_t>(q) & 63) == 0) _mm512_stream_si512(reinterpret_cast<__m512i*>(q), codes);
+  else _mm512_storeu_si512(q, codes);
+}
+
+// Per-channel: inv[i] = RN(1 / sf[i]) in natural order (this target's block order).
+template <bool Stream>
+__attribute__((target("avx512vbmi"))) void e4m3_rows_by_quotients(const uint16_t* x, uint8_t* q, int64_t n, const float* sf,
+                                                                  const float* inv, const uint16_t* prefetch) {
+  const QuotientConstants c;
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    if (prefetch) prefetch_block(prefetch + i);
+    __m512 r[4], s[4];
+    for (int j = 0; j < 4; ++j) r[j] = _mm512_loadu_ps(inv + i + 16 * j), s[j] = _mm512_loadu_ps(sf + i + 16 * j);
+    __m512i codes;
+    if (quotient_codes_64(x + i, r, s, c, codes)) store_64<Stream>(q + i, codes);
+    else quantize_span<E4M3, uint16_t, true, false, true>(x + i, q + i, 64, sf + i, Reciprocals{inv + i, false}, nullptr);
+  }
+  if (i < n) quantize_span<E4M3, uint16_t, true, false, true>(x + i, q + i, n - i, sf + i, Reciprocals{inv + i, false}, nullptr);
+  if (Stream) _mm_sfence();
+}
+
+// Per-token: one scale per group of gran elements, gran a multiple of 64. A group whose
+// scale is not a positive normal number (an inf or NaN amax) goes through the generic kernel.
+template <bool Stream>
+__attribute__((target("avx512vbmi"))) void e4m3_groups_by_quotients(const uint16_t* x, uint8_t* q, int64_t n, const float* sf,
+                                                                    int64_t gran, const uint16_t* prefetch) {
+  const QuotientConstants c;
+  for (int64_t g = 0, i = 0; i < n; ++g) {  // (a loop, not for_each_group: lambdas lose the target)
+    const int64_t end = min64(n, i + gran);
+    if (!is_positive_normal(sf[g])) {  // no bound either
+      quantize_span<E4M3, uint16_t, false, false, false>(x + i, q + i, end - i, sf + g, Reciprocals{}, nullptr);
+      i = end;
+      continue;
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / sf[g]), scale = _mm512_set1_ps(sf[g]);
+    const __m512 r[4] = {inv, inv, inv, inv}, s[4] = {scale, scale, scale, scale};
+    for (; i + 64 <= end; i += 64) {
+      if (prefetch) prefetch_block(prefetch + i);
+      __m512i codes;
+      if (quotient_codes_64(x + i, r, s, c, codes)) store_64<Stream>(q + i, codes);
+      else quantize_span<E4M3, uint16_t, false, false, true>(x + i, q + i, 64, sf + g, Reciprocals{}, nullptr);
+    }
+    if (i < end) quantize_span<E4M3, uint16_t, false, false, true>(x + i, q + i, end - i, sf + g, Reciprocals{}, nullptr);
+    i = end;
+  }
+  if (Stream) _mm_sfence();
+}
+
 void quantize_e4m3_bf16(const void* x, uint8_t* q, int64_t n, const float* sf, int64_t gran, bool stream,
                         const void* prefetch, bool scales_from_amax, Reciprocals inv) {
   const bool pow2_path = scales_from_amax && is_bf16_pow2_group(gran) && n >= 64 && is_normal_power_of_two(sf[0]);
+  const auto* in = static_cast<const uint16_t*>(x);
+  const auto* next = static_cast<const uint16_t*>(prefetch);
+  if (g_vbmi && scales_from_amax && gran == 1 && inv.values != nullptr && !inv.exact) {
+    if (stream) return e4m3_rows_by_quotients<true>(in, q, n, sf, inv.values, next);
+    return e4m3_rows_by_quotients<false>(in, q, n, sf, inv.values, next);
+  }
+  if (g_vbmi && scales_from_amax && !pow2_path && gran % 64 == 0) {
+    if (stream) return e4m3_groups_by_quotients<true>(in, q, n, sf, gran, next);
+    return e4m3_groups_by_quotients<false>(in, q, n, sf, gran, next);
+  }
   (pow2_path ? g_e4m3_bf16_ymm : g_e4m3_bf16_zmm)(x, q, n, sf, gran, stream, prefetch, scales_from_amax, inv);
 }
 
@@ -129,12 +260,6 @@ void e4m3_tables(const float* sf, int64_t groups, int16_t* tables) {
     quantize_span<E4M3, uint16_t, false, false, false>(probe, codes, kE4m3TableWords, sf + g, Reciprocals{}, nullptr);
     for (int m = 0; m < kE4m3TableWords; ++m) table[m] = static_cast<int16_t>(codes[m] - ((kTableExponent << 7 | m) >> 4));
   }
-}
-
-// body(g, i, end) for each scale group g of a row of n elements, [i, end).
-template <class Body>
-inline void for_each_group(int64_t n, int64_t gran, Body body) {
-  for (int64_t g = 0, i = 0; i < n; ++g, i += gran) body(g, i, min64(n, i + gran));
 }
 
 // Constants of table_codes, set up once per call so that they stay in registers.
@@ -415,11 +540,12 @@ const FormatKernels& format_kernels_avx512() {
     const int e4m3 = static_cast<int>(Narrow::e4m3), bf16 = static_cast<int>(Wide::bf16);
     g_e4m3_bf16_zmm = t.quantize[e4m3][bf16];
     g_e4m3_bf16_ymm = avx2.quantize[e4m3][bf16];
+    g_vbmi = cpu_features().avx512vbmi;
     t.quantize[e4m3][bf16] = &quantize_e4m3_bf16;
     // bf16 amaxes on 16-bit lanes (the AVX2 target's kBf16Amax kernels) rather than widened
     // (1.1-1.4x for the FP4 cast, whose groups of 32 make the amax pass a third of its work).
     t.amax_groups[static_cast<int>(Wide::bf16)] = avx2.amax_groups[static_cast<int>(Wide::bf16)];
-    t.amax_accumulate_bf16 = avx2.amax_accumulate_bf16;
+    t.amax_accumulate_bf16 = &amax_accumulate_bf16_zmm;
     // Layer 3 (above); each keeps the entry it replaces for the cases it leaves.
     for (int wide = 0; wide < 2; ++wide) g_e2m1_general[wide] = t.dequantize[static_cast<int>(Narrow::e2m1)][wide];
     t.dequantize[static_cast<int>(Narrow::e2m1)][static_cast<int>(Wide::f32)] = &dequantize_e2m1_tables<float>;
