@@ -16,12 +16,15 @@ enum class Wide { f32 = 0, bf16 = 1 };                // element type of the wid
 // Per-element reciprocals that quantize may use with gran 1 (the per-channel cast, whose
 // rows share one set of scales): values[i] = RN(1/sf[i]), reordered by block_order, passed
 // only with scales_from_amax when every sf is a positive normal number; they let fast
-// targets skip most of the per-element divisions (see reciprocal_codes in formats_simd.inc).
+// targets skip most of the per-element divisions (see quotient_codes in formats_simd.inc).
 // exact: every sf is a power of two (ue8m0), so values[i] is 1/sf[i] exactly and x·values[i]
 // rounds like the division; no division and no tie check is needed then.
+// scales (may be null): sf again, both arrays in bf16_lane_order rather than block_order;
+// only quantize of bf16 to e4m3 takes them (format_kernels_avx512: the quotient kernels).
 struct Reciprocals {
   const float* values = nullptr;
   bool exact = false;
+  const float* scales = nullptr;
 };
 
 // All spans are plain arrays. "gran" selects the scale of element i: sf[i / gran].
@@ -36,6 +39,9 @@ struct FormatKernels {
   // out = in reordered for quantize's per-element reciprocals (inv, below); n elements; out
   // may be in.
   void (*block_order)(const float* in, float* out, int64_t n);
+  // The order in which quantize of bf16 to e4m3 takes per-element reciprocals and scales
+  // (Reciprocals::scales) instead, where it has a kernel for it; null elsewhere. out != in.
+  void (*bf16_lane_order)(const float* in, float* out, int64_t n);
   // q = narrow(x / sf[i / gran]); e2m1: n values into ceil(n/2) bytes, gran even or >= n.
   // stream = true: non-temporal stores (for outputs far larger than the cache).
   // prefetch (may be null): n elements the caller reads next, requested into L2 meanwhile.

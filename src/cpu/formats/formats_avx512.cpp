@@ -104,12 +104,17 @@ void amax_accumulate_bf16_zmm(const uint16_t* x, int64_t n, uint16_t* acc) {
 // ---- bf16 -> e4m3 casts under f32 scales: codes of the quotients ----
 // Each code comes from the quotient RN(x / sf), formed by quotient_codes' two FMAs
 // (formats_simd.inc) and rounded on its bit pattern. Against the generic 512-bit kernel this
-// one places each code and x's sign in the top byte of its lane (a shift and a ternlog, no
-// separate sign extraction) and gathers the 64 top bytes with two vpermt2b and a blend, where
-// four vpmovdb cost eight shuffle uops: with the data in L2, the two vector ports bound
-// these casts. Per-channel casts give it one scale (and reciprocal) per lane; per-token casts
-// one per group of a multiple of 64 lanes. Blocks with a quotient below the least normal
-// (zeros, e4m3 subnormals) go through the generic kernel, which divides.
+// one saves shuffles, which with the data in L2 compete for the two vector ports that bound
+// these casts:
+// - it widens 32 bf16 lanes by a shift (the even ones, the low word of each dword) and a mask
+//   (the odd ones), where vpmovzxwd costs a shuffle per 16;
+// - it places each code and x's sign in the top byte of its lane (a shift and a ternlog, no
+//   separate sign extraction) and gathers the 64 top bytes in element order with two
+//   vpermt2b and a blend, where four vpmovdb cost eight shuffles.
+// Per-token casts give it one scale (and reciprocal) per group of a multiple of 64 lanes;
+// per-channel casts one per lane, in the lanes' order (bf16_lane_order). Blocks with a
+// quotient below the least normal (zeros, e4m3 subnormals) go through the generic kernel,
+// which divides. Measured on the 2-vCPU AMX Xeon (2026-12-01): docs/FORMATS.md.
 // (vpermt2b is AVX512_VBMI: CPUs without it keep the generic kernel.)
 bool g_vbmi = false;
 
@@ -117,27 +122,47 @@ struct QuotientConstants {
   static constexpr int kShift = 20;  // 23 - M: the rounding bit of the quotient's pattern
   static constexpr int32_t kLeastNormal = static_cast<int32_t>(pow2_bits(-6));
   static constexpr int32_t kRebias = kLeastNormal - (8 << kShift);  // the least normal's pattern less its code's
-  __m512i magnitude = _mm512_set1_epi32(0x7fffffff), one = _mm512_set1_epi32(1);
+  __m512i high_words = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
   __m512i half_down = _mm512_set1_epi32((1 << (kShift - 1)) - 1 - kRebias), sign = _mm512_set1_epi32(static_cast<int32_t>(0x80000000u));
-  __m512i least = _mm512_set1_epi32(kLeastNormal), top_bytes;
-  // The byte index of dword lane j's top byte: j < 16 from the first source, else (bit 6) the second.
+  __m512i one = _mm512_set1_epi32(1), least = _mm512_set1_epi32(kLeastNormal), top_bytes;
+  // Output byte j < 32 of two vectors of even and odd lanes (lane i: elements 2i and 2i + 1)
+  // is the top byte of lane j / 2 of the first (j even) or (bit 6) the second; bytes 32-63 alike.
   __attribute__((target("avx512vbmi"))) QuotientConstants() {
     alignas(64) uint8_t idx[64];
-    for (int j = 0; j < 64; ++j) idx[j] = static_cast<uint8_t>((j % 32) * 4 + 3);
+    for (int j = 0; j < 64; ++j) idx[j] = static_cast<uint8_t>((j % 2) * 64 + (j % 32 / 2) * 4 + 3);
     top_bytes = _mm512_load_si512(idx);
   }
 };
 
-// The codes of 64 bf16 lanes at x, vector j under reciprocals r[j] and scales sf[j]; false
-// (codes unset) when a quotient lies below the least normal.
+// Lane i of vector 2h holds element 32h + 2i, of vector 2h + 1 element 32h + 2i + 1.
+inline int64_t quotient_lane_element(int64_t lane64) { return lane64 / 32 * 32 + lane64 % 16 * 2 + lane64 % 32 / 16; }
+
+// out = in with every whole 64-element block in the kernel's lane order (the tail as is).
+void bf16_lane_order(const float* in, float* out, int64_t n) {
+  alignas(64) int32_t even[16], odd[16];  // vpermt2ps indices over 32 elements
+  for (int l = 0; l < 16; ++l) even[l] = static_cast<int32_t>(quotient_lane_element(l)), odd[l] = static_cast<int32_t>(quotient_lane_element(16 + l));
+  const __m512i even_idx = _mm512_load_si512(even), odd_idx = _mm512_load_si512(odd);
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    for (int h = 0; h < 2; ++h) {
+      const __m512 a = _mm512_loadu_ps(in + i + 32 * h), b = _mm512_loadu_ps(in + i + 32 * h + 16);
+      _mm512_storeu_ps(out + i + 32 * h, _mm512_permutex2var_ps(a, even_idx, b));
+      _mm512_storeu_ps(out + i + 32 * h + 16, _mm512_permutex2var_ps(a, odd_idx, b));
+    }
+  }
+  for (; i < n; ++i) out[i] = in[i];
+}
+
+// The codes of 64 bf16 elements at x, vector j under reciprocals r[j] and scales sf[j]
+// (lane order above); false (codes unset) when a quotient lies below the least normal.
 __attribute__((target("avx512vbmi"))) inline bool quotient_codes_64(const uint16_t* x, const __m512 r[4], const __m512 sf[4],
                                                                     const QuotientConstants& c, __m512i& codes) {
   constexpr int kShift = QuotientConstants::kShift;
   __m512i top[4];
-  __m512 lowest = _mm512_castsi512_ps(c.magnitude);  // (a NaN pattern: vrangeps keeps the other operand)
+  __m512 lowest = _mm512_castsi512_ps(c.high_words);  // (a NaN pattern: vrangeps keeps the other operand)
   for (int j = 0; j < 4; ++j) {
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16 * j)));
-    const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+    const __m512i pairs = _mm512_loadu_si512(x + 32 * (j / 2));
+    const __m512 v = _mm512_castsi512_ps(j % 2 ? _mm512_and_si512(pairs, c.high_words) : _mm512_slli_epi32(pairs, 16));
     const __m512 y0 = _mm512_mul_ps(v, r[j]);
     const __m512 y = _mm512_fmadd_ps(_mm512_fnmadd_ps(y0, sf[j], v), r[j], y0);
     const __m512i b = _mm512_castps_si512(y);
@@ -159,21 +184,30 @@ inline void store_64(uint8_t* q, __m512i codes) {
   else _mm512_storeu_si512(q, codes);
 }
 
-// Per-channel: inv[i] = RN(1 / sf[i]) in natural order (this target's block order).
+// Per-channel: inv_lanes / sf_lanes are RN(1 / sf) and sf in bf16_lane_order; sf itself
+// (element order) serves the blocks and the tail left to the generic kernel, which divides.
 template <bool Stream>
 __attribute__((target("avx512vbmi"))) void e4m3_rows_by_quotients(const uint16_t* x, uint8_t* q, int64_t n, const float* sf,
-                                                                  const float* inv, const uint16_t* prefetch) {
-  const QuotientConstants c;
+                                                                  const float* inv_lanes, const float* sf_lanes,
+                                                                  const uint16_t* prefetch) {
   int64_t i = 0;
-  for (; i + 64 <= n; i += 64) {
-    if (prefetch) prefetch_block(prefetch + i);
-    __m512 r[4], s[4];
-    for (int j = 0; j < 4; ++j) r[j] = _mm512_loadu_ps(inv + i + 16 * j), s[j] = _mm512_loadu_ps(sf + i + 16 * j);
-    __m512i codes;
-    if (quotient_codes_64(x + i, r, s, c, codes)) store_64<Stream>(q + i, codes);
-    else quantize_span<E4M3, uint16_t, true, false, true>(x + i, q + i, 64, sf + i, Reciprocals{inv + i, false}, nullptr);
+  while (i + 64 <= n) {
+    // (The generic kernel is a call, which clobbers every vector register: out of the inner
+    // loop, so that the constants stay in registers there.)
+    const QuotientConstants c;
+    for (; i + 64 <= n; i += 64) {
+      if (prefetch) prefetch_block(prefetch + i);
+      __m512 r[4], s[4];
+      for (int j = 0; j < 4; ++j) r[j] = _mm512_loadu_ps(inv_lanes + i + 16 * j), s[j] = _mm512_loadu_ps(sf_lanes + i + 16 * j);
+      __m512i codes;
+      if (!quotient_codes_64(x + i, r, s, c, codes)) [[unlikely]] break;
+      store_64<Stream>(q + i, codes);
+    }
+    if (i + 64 > n) break;
+    quantize_span<E4M3, uint16_t, true, false, false>(x + i, q + i, 64, sf + i, Reciprocals{}, nullptr);
+    i += 64;
   }
-  if (i < n) quantize_span<E4M3, uint16_t, true, false, true>(x + i, q + i, n - i, sf + i, Reciprocals{inv + i, false}, nullptr);
+  if (i < n) quantize_span<E4M3, uint16_t, true, false, false>(x + i, q + i, n - i, sf + i, Reciprocals{}, nullptr);
   if (Stream) _mm_sfence();
 }
 
@@ -182,7 +216,7 @@ __attribute__((target("avx512vbmi"))) void e4m3_rows_by_quotients(const uint16_t
 template <bool Stream>
 __attribute__((target("avx512vbmi"))) void e4m3_groups_by_quotients(const uint16_t* x, uint8_t* q, int64_t n, const float* sf,
                                                                     int64_t gran, const uint16_t* prefetch) {
-  const QuotientConstants c;
+  const QuotientConstants c;  // (rebuilt by the compiler after calls, outside the inner loop)
   for (int64_t g = 0, i = 0; i < n; ++g) {  // (a loop, not for_each_group: lambdas lose the target)
     const int64_t end = min64(n, i + gran);
     if (!is_positive_normal(sf[g])) {  // no bound either
@@ -190,13 +224,18 @@ __attribute__((target("avx512vbmi"))) void e4m3_groups_by_quotients(const uint16
       i = end;
       continue;
     }
-    const __m512 inv = _mm512_set1_ps(1.0f / sf[g]), scale = _mm512_set1_ps(sf[g]);
-    const __m512 r[4] = {inv, inv, inv, inv}, s[4] = {scale, scale, scale, scale};
-    for (; i + 64 <= end; i += 64) {
-      if (prefetch) prefetch_block(prefetch + i);
-      __m512i codes;
-      if (quotient_codes_64(x + i, r, s, c, codes)) store_64<Stream>(q + i, codes);
-      else quantize_span<E4M3, uint16_t, false, false, true>(x + i, q + i, 64, sf + g, Reciprocals{}, nullptr);
+    while (i + 64 <= end) {  // (the fallback out of the inner loop, as above)
+      const __m512 inv = _mm512_set1_ps(1.0f / sf[g]), scale = _mm512_set1_ps(sf[g]);
+      const __m512 r[4] = {inv, inv, inv, inv}, s[4] = {scale, scale, scale, scale};
+      for (; i + 64 <= end; i += 64) {
+        if (prefetch) prefetch_block(prefetch + i);
+        __m512i codes;
+        if (!quotient_codes_64(x + i, r, s, c, codes)) [[unlikely]] break;
+        store_64<Stream>(q + i, codes);
+      }
+      if (i + 64 > end) break;
+      quantize_span<E4M3, uint16_t, false, false, true>(x + i, q + i, 64, sf + g, Reciprocals{}, nullptr);
+      i += 64;
     }
     if (i < end) quantize_span<E4M3, uint16_t, false, false, true>(x + i, q + i, end - i, sf + g, Reciprocals{}, nullptr);
     i = end;
@@ -209,9 +248,9 @@ void quantize_e4m3_bf16(const void* x, uint8_t* q, int64_t n, const float* sf, i
   const bool pow2_path = scales_from_amax && is_bf16_pow2_group(gran) && n >= 64 && is_normal_power_of_two(sf[0]);
   const auto* in = static_cast<const uint16_t*>(x);
   const auto* next = static_cast<const uint16_t*>(prefetch);
-  if (g_vbmi && scales_from_amax && gran == 1 && inv.values != nullptr && !inv.exact) {
-    if (stream) return e4m3_rows_by_quotients<true>(in, q, n, sf, inv.values, next);
-    return e4m3_rows_by_quotients<false>(in, q, n, sf, inv.values, next);
+  if (inv.scales != nullptr) {  // (set only where bf16_lane_order is: g_vbmi)
+    if (stream) return e4m3_rows_by_quotients<true>(in, q, n, sf, inv.values, inv.scales, next);
+    return e4m3_rows_by_quotients<false>(in, q, n, sf, inv.values, inv.scales, next);
   }
   if (g_vbmi && scales_from_amax && !pow2_path && gran % 64 == 0) {
     if (stream) return e4m3_groups_by_quotients<true>(in, q, n, sf, gran, next);
@@ -541,6 +580,7 @@ const FormatKernels& format_kernels_avx512() {
     g_e4m3_bf16_zmm = t.quantize[e4m3][bf16];
     g_e4m3_bf16_ymm = avx2.quantize[e4m3][bf16];
     g_vbmi = cpu_features().avx512vbmi;
+    if (g_vbmi) t.bf16_lane_order = &bf16_lane_order;
     t.quantize[e4m3][bf16] = &quantize_e4m3_bf16;
     // bf16 amaxes on 16-bit lanes (the AVX2 target's kBf16Amax kernels) rather than widened
     // (1.1-1.4x for the FP4 cast, whose groups of 32 make the amax pass a third of its work).

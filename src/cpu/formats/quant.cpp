@@ -128,8 +128,9 @@ void finish_scales(float* sf, int64_t n, float max_code, bool use_ue8m0) {
 
 // The quantize kernel's per-element reciprocals of sf, written to inv in its block order:
 // none (values null) unless every sf is a positive normal number, as the kernel requires;
-// exact when every sf is also a power of two (ue8m0 scales).
-detail::Reciprocals reciprocals(const detail::FormatKernels& kern, const float* sf, int64_t n, float* inv) {
+// exact when every sf is also a power of two (ue8m0 scales). lanes (2n floats; null unless
+// x is bf16 and the target has bf16_lane_order): the reciprocals and sf in that order instead.
+detail::Reciprocals reciprocals(const detail::FormatKernels& kern, const float* sf, int64_t n, float* inv, float* lanes) {
   uint32_t not_normal = 0, mantissas = 0;  // masks, not early exits: the loop vectorises
   for (int64_t i = 0; i < n; ++i) {
     const uint32_t bits = std::bit_cast<uint32_t>(sf[i]);
@@ -138,6 +139,11 @@ detail::Reciprocals reciprocals(const detail::FormatKernels& kern, const float* 
     inv[i] = 1.0f / sf[i];
   }
   if (not_normal != 0) return {};
+  if (lanes != nullptr) {
+    kern.bf16_lane_order(inv, lanes, n);
+    kern.bf16_lane_order(sf, lanes + n, n);
+    return {lanes, mantissas == 0, lanes + n};
+  }
   kern.block_order(inv, inv, n);
   return {inv, mantissas == 0};
 }
@@ -341,12 +347,15 @@ void per_channel_cast_to_fp8_into(const Tensor& x, const Tensor& q, const Tensor
   // bf16 under ue8m0 scales: per-element shifts and the unit scale's code table where the
   // target has them (format_kernels.h: quantize_e4m3_shifts).
   const bool shifts_fit = kern.quantize_e4m3_shifts != nullptr && x.dtype() == DType::bf16 && use_ue8m0;
+  // bf16 under other scales: reciprocals and scales in the kernel's lane order where it has one.
+  const bool by_lanes = kern.bf16_lane_order != nullptr && x.dtype() == DType::bf16;
   alignas(64) int16_t unit_table[detail::kE4m3TableWords];
   const float unit = 1.0f;
   if (shifts_fit) kern.e4m3_tables(&unit, 1, unit_table);
 #pragma omp parallel num_threads(threads_for(k * mn))
   {
     std::vector<float> inv(static_cast<size_t>(width));  // width <= mn
+    std::vector<float> lanes(by_lanes ? 2 * inv.size() : 0);
     std::vector<uint16_t> acc;
     std::vector<int16_t> shift(shifts_fit ? inv.size() : 0);
 #pragma omp for schedule(static)
@@ -362,7 +371,8 @@ void per_channel_cast_to_fp8_into(const Tensor& x, const Tensor& q, const Tensor
       // division per element (and for ue8m0 scales, any check), in the kernel's block order
       // so that it loads them without shuffles.
       const bool by_shifts = shifts_fit && power_of_two_shifts(s, n, shift.data());
-      const detail::Reciprocals recip = by_shifts ? detail::Reciprocals{} : reciprocals(kern, s, n, inv.data());
+      const detail::Reciprocals recip =
+          by_shifts ? detail::Reciprocals{} : reciprocals(kern, s, n, inv.data(), by_lanes ? lanes.data() : nullptr);
       for (int64_t r = r0; r < r1; ++r) {
         const char* next = strip + 1 < strips ? row_ptr(x, r) + (c0 + width) * esize
                            : gran_k < k - r   ? row_ptr(x, r + gran_k)
