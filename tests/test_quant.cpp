@@ -584,6 +584,34 @@ TEST(QuantOracle, PerTokenFp8NearTiesWithArbitraryScales) {
   for_each_isa([&](Isa) { EXPECT_TRUE(same_quantized(per_channel_cast_to_fp8(xt, false), want_t)); });
 }
 
+// bf16 inputs under f32 scales: every bf16 value from a group's amax down 16 binades, for
+// amaxes of every bf16 mantissa. Column c's amax (row 0) has mantissa c % 128, at 1.0 or
+// 2^-32; the rows below hold the 2047 patterns under it, alternately negated, with zeros in
+// a few 64-element blocks. About one quotient in 200 lies within a few f32 steps of an e4m3
+// rounding boundary (a bf16 value over a bf16 amax), the last binade or so is in the e4m3
+// subnormals (blocks that fast kernels leave to the division), and 40 columns past the
+// 256 make a tail. Per-channel (one scale per column) and, transposed, per-token casts
+// (groups of 2048, one scale per row).
+TEST(QuantOracle, Bf16EveryValueBelowEveryAmaxMantissa) {
+  const int64_t rows = 2048, cols = 296;
+  Tensor x = Tensor::empty({rows, cols}, DType::bf16);
+  uint16_t* p = x.data_ptr<uint16_t>();
+  for (int64_t c = 0; c < cols; ++c) {
+    const uint16_t amax = static_cast<uint16_t>((c / 128 % 2 ? 0x2f80 : 0x3f80) | (c % 128));
+    for (int64_t r = 0; r < rows; ++r) {
+      const bool zero = r % 97 == 5 && c % 64 < 20;
+      const uint16_t magnitude = zero ? 0 : static_cast<uint16_t>(amax - r);
+      p[r * cols + c] = static_cast<uint16_t>(magnitude | ((r + c) % 2 ? 0x8000 : 0));
+    }
+  }
+  const Tensor xt = x.transpose(0, 1).contiguous();
+  for (bool ue8m0 : {false, true}) {
+    SCOPED_TRACE(ue8m0 ? "ue8m0" : "f32 scales");
+    expect_oracle_under_every_isa(Cast::channel_fp8, x, ue8m0, Case{rows, cols, rows});
+    expect_oracle_under_every_isa(Cast::token_fp8, xt, ue8m0, Case{cols, rows, rows});
+  }
+}
+
 TEST(QuantHand, SingleHugeValueRow) {
   // One 1e30 among N(0,1) values: sf = 1e30/448, the huge one maps to 448 and every other
   // value to a signed zero. With ue8m0, sf = 2^91 (2.23e27 rounded up) and 1e30/2^91 =
