@@ -199,7 +199,7 @@ __attribute__((target("avx512vbmi"))) void e4m3_to_bf16(const uint8_t* src, int6
 // `shifts` (null: raw codes) folds power-of-two scales: shifts[r * groups + g] is the
 // scale exponent times 128, added to the bf16 bits of every finite nonzero value of 32-wide
 // group g (K groups of 32 · 2^j share their shift), which is exact when the results stay
-// bf16 normals (e2m1_chunk_to_bf16 says which scales those are).
+// bf16 normals (StripSource::rowwise says which scales those are).
 __attribute__((target("avx512vbmi"))) void e4m3_chunk_to_bf16(const uint8_t* src, int64_t row_bytes, int rows,
                                                               const int16_t* shifts, uint32_t* out) {
   static const E4m3ToBf16 table;
@@ -283,17 +283,15 @@ bool chunk_shifts(const GemmOperand& op, int64_t i0, int rows, int64_t k0, int l
   return true;
 }
 
-// A whole chunk of `rows` rows x 256 e2m1 values (K-major, scales folded: every scale of the
-// chunk a power of two) as load_words lays out bf16. A value is the code's bf16 bits from a
-// 16-word table (sign included) plus the scale's exponent in the bf16 exponent field; exact,
-// since the target folds only scales from 2^-100 (products stay bf16 normals) and this
-// takes only exponents up to 2^120 (no overflow). Returns false, with nothing written, when
-// a scale of the chunk is outside that range: the caller decodes it the general way.
-__attribute__((target("avx512bw"))) bool e2m1_chunk_to_bf16(const GemmOperand& op, int64_t i0, int rows, int64_t k0,
-                                                            uint32_t* out) {
+// Rows of a chunk of 256 e2m1 values (K-major, scales folded: every scale of the chunk a
+// power of two) as load_words lays out bf16: rows [i0, i0 + rows) of op, with their
+// chunk_shifts in shift (8 per row). A value is the code's bf16 bits from a 16-word table
+// (sign included) plus the scale's exponent in the bf16 exponent field; exact, since the
+// target folds only scales from 2^-100 (products stay bf16 normals) and the callers take
+// only exponents up to 2^120 (no overflow).
+__attribute__((target("avx512bw"))) void e2m1_rows_to_bf16(const GemmOperand& op, int64_t i0, int rows, int64_t k0,
+                                                          const int16_t* shift, uint32_t* out) {
   constexpr int kGroups = kChunk / 32;  // one shift per output vector of 32
-  alignas(64) int16_t shift[kMr][kGroups];
-  if (!chunk_shifts(op, i0, rows, k0, -100, 120, &shift[0][0])) return false;
   static const __m512i table = [] {
     alignas(64) uint16_t t[32] = {};
     for (int c = 0; c < 16; ++c) t[c] = static_cast<uint16_t>(std::bit_cast<uint32_t>(tables().e2m1[c]) >> 16);
@@ -309,10 +307,9 @@ __attribute__((target("avx512bw"))) bool e2m1_chunk_to_bf16(const GemmOperand& o
       const __m512i codes = _mm512_or_si512(_mm512_and_si512(bytes, low), _mm512_slli_epi32(_mm512_and_si512(bytes, high), 12));
       const __m512i values = _mm512_permutexvar_epi16(codes, table);
       const __mmask32 nonzero = _mm512_test_epi16_mask(values, magnitude);
-      _mm512_store_si512(dst + 32 * g, _mm512_mask_add_epi16(values, nonzero, values, _mm512_set1_epi16(shift[r][g])));
+      _mm512_store_si512(dst + 32 * g, _mm512_mask_add_epi16(values, nonzero, values, _mm512_set1_epi16(shift[r * kGroups + g])));
     }
   }
-  return true;
 }
 
 // K-major: row by row, as load_words lays them out.
@@ -683,9 +680,16 @@ void promote_strip(const float* part, const float* sa, const float* sb, int rows
 }
 
 // One strip's weights for the tiles: rows [j0, j0 + rows) of B (rows at most the strip),
-// chunk by chunk.
+// chunk by chunk. Whole chunks of e4m3 (raw, or with folded power-of-two scales) and of
+// folded e2m1 can also be decoded a few rows at a time (rowwise, decode_rows).
 class StripSource {
  public:
+  static constexpr int kGroups = kChunk / 32;  // scale shifts per row of a chunk
+  // The shifts of a chunk's rows (kMr x kGroups), for folded chunks decoded by rows.
+  struct Shifts {
+    alignas(64) int16_t values[kMr * kGroups];
+  };
+
   StripSource(const GemmOperand& b, int64_t j0, int rows, int strip)
       : b_(b), j0_(j0), rows_(rows), full_(rows == strip), row_bytes_(b.ld * static_cast<int64_t>(element_size(b.dtype))),
         first_row_(row_ptr(b, j0)),
@@ -698,37 +702,38 @@ class StripSource {
   // only rows 0-15); sets the row stride.
   const uint8_t* chunk(int64_t k0, uint32_t* words, int64_t& stride) const {
     const int64_t len = std::min(kChunk, b_.k - k0);
-    const bool whole = full_ && len == kChunk;
+    stride = kChunkWords * 4;
     if (plain_bf16(b_) && full_ && len % kStep == 0) {
       stride = row_bytes_;
       return first_row_ + k0 * 2;
     }
+    Shifts shifts;
     if (plain_bf16(b_)) load_words(b_, j0_, rows_, k0, len, words, kChunkWords);
-    else if (raw_e4m3_ && whole) e4m3_chunk_to_bf16(first_row_ + k0, row_bytes_, rows_, nullptr, words);
-    else if (!(whole && folded_e4m3_ && folded_e4m3(k0, words)) &&
-             !(whole && folded_e2m1_ && e2m1_chunk_to_bf16(b_, j0_, rows_, k0, words)))
-      decode_words(b_, j0_, rows_, k0, len, words, kChunkWords);
-    stride = kChunkWords * 4;
+    else if (rowwise(k0, shifts)) decode_rows(k0, 0, rows_, shifts, words);
+    else decode_words(b_, j0_, rows_, k0, len, words, kChunkWords);
     return reinterpret_cast<const uint8_t*>(words);
   }
 
-  // Whether chunk k0 can be decoded a few rows at a time (decode_rows): whole chunks of raw
-  // e4m3.
-  bool by_rows(int64_t k0) const { return raw_e4m3_ && full_ && b_.k - k0 >= kChunk; }
-  // Rows [r0, r1) of chunk k0, as chunk() lays them out (by_rows(k0) must hold).
-  void decode_rows(int64_t k0, int r0, int r1, uint32_t* words) const {
-    e4m3_chunk_to_bf16(first_row_ + r0 * row_bytes_ + k0, row_bytes_, r1 - r0, nullptr, words + r0 * kChunkWords);
+  // Whether chunk k0 can be decoded by rows (decode_rows): a whole chunk of a full strip of raw e4m3, or of
+  // folded e4m3 or e2m1 whose scales are all powers of two in the range that keeps the
+  // values bf16 normals (then their shifts are in `shifts`).
+  bool rowwise(int64_t k0, Shifts& shifts) const {
+    if (!full_ || b_.k - k0 < kChunk) return false;
+    if (raw_e4m3_) return true;
+    // e4m3 values run from 2^-9 to 1.75 · 2^8: scaled by 2^-100 .. 2^119 they stay bf16
+    // normals; e2m1 values (0.5 to 6) up to 2^120.
+    if (folded_e4m3_) return chunk_shifts(b_, j0_, rows_, k0, -100, 119, shifts.values);
+    if (folded_e2m1_) return chunk_shifts(b_, j0_, rows_, k0, -100, 120, shifts.values);
+    return false;
+  }
+  // Rows [r0, r1) of chunk k0, as chunk() lays them out (rowwise(k0, shifts) must hold).
+  void decode_rows(int64_t k0, int r0, int r1, const Shifts& shifts, uint32_t* words) const {
+    uint32_t* out = words + r0 * kChunkWords;
+    if (folded_e2m1_) return e2m1_rows_to_bf16(b_, j0_ + r0, r1 - r0, k0, shifts.values + r0 * kGroups, out);
+    e4m3_chunk_to_bf16(first_row_ + r0 * row_bytes_ + k0, row_bytes_, r1 - r0, raw_e4m3_ ? nullptr : shifts.values + r0 * kGroups, out);
   }
 
  private:
-  // e4m3 values run from 2^-9 to 1.75 · 2^8: scaled by 2^-100 .. 2^119 they stay bf16 normals.
-  bool folded_e4m3(int64_t k0, uint32_t* words) const {
-    alignas(64) int16_t shifts[kMr * (kChunk / 32)];
-    if (!chunk_shifts(b_, j0_, rows_, k0, -100, 119, shifts)) return false;
-    e4m3_chunk_to_bf16(first_row_ + k0, row_bytes_, rows_, shifts, words);
-    return true;
-  }
-
   const GemmOperand& b_;
   int64_t j0_;
   int rows_;
@@ -749,6 +754,7 @@ void stream_strip(const Stream& st, int64_t j0, int rows, float* acc) {
   const StripSource source(b, j0, rows, st.strip);
   alignas(64) static thread_local uint32_t buffers[2][kMr * kChunkWords];
   alignas(64) float part[kMr * kNr], sb[kMr];
+  StripSource::Shifts next_shifts;
   const void* sf_rows[kMr] = {};
   if (b.promote)
     for (int r = 0; r < rows; ++r) sf_rows[r] = scale_row(b, j0 + r);
@@ -763,7 +769,7 @@ void stream_strip(const Stream& st, int64_t j0, int rows, float* acc) {
     // The next chunk a few rows per step of this one where it can, so that the products
     // are spread through the decode (whose loads wait on memory); else all of it first.
     // (Raw e4m3, 16 x 7168 x 16384 on one thread: 16 -> 13 ms.)
-    const bool interleave = k0 + kChunk < k && n == kChunk / kStep && source.by_rows(k0 + kChunk);
+    const bool interleave = k0 + kChunk < k && n == kChunk / kStep && source.rowwise(k0 + kChunk, next_shifts);
     const int per_step = (rows + static_cast<int>(n) - 1) / static_cast<int>(n);
     const uint8_t* next = nullptr;
     if (interleave) next = reinterpret_cast<const uint8_t*>(next_words), next_stride = kChunkWords * 4;
@@ -774,7 +780,7 @@ void stream_strip(const Stream& st, int64_t j0, int rows, float* acc) {
       if (interleave) {
         end = s + 1;
         const int r0 = std::min(rows, static_cast<int>(s) * per_step), r1 = std::min(rows, r0 + per_step);
-        if (r0 < r1) source.decode_rows(k0 + kChunk, r0, r1, next_words);
+        if (r0 < r1) source.decode_rows(k0 + kChunk, r0, r1, next_shifts, next_words);
       }
       run_steps_streamed(st, group & 1, w, stride, x, s, end);
       s = end;
