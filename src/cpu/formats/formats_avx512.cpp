@@ -184,30 +184,46 @@ inline void store_64(uint8_t* q, __m512i codes) {
   else _mm512_storeu_si512(q, codes);
 }
 
+// Codes of the whole 64-element blocks of x[i, end), block b's reciprocals and scales from
+// load(b, r, s); a block with a quotient below the least normal goes to fallback(b) (the
+// generic kernel: a call, which clobbers every vector register, so it sits outside the
+// inner loop and the constants stay in registers there). Returns where the blocks end.
+template <bool Stream, class Load, class Fallback>
+__attribute__((target("avx512vbmi"))) inline int64_t quotient_blocks(const uint16_t* x, uint8_t* q, int64_t i, int64_t end,
+                                                                     const uint16_t* prefetch, Load load, Fallback fallback) {
+  while (i + 64 <= end) {
+    const QuotientConstants c;
+    for (; i + 64 <= end; i += 64) {
+      if (prefetch) prefetch_block(prefetch + i);
+      __m512 r[4], s[4];
+      load(i, r, s);
+      __m512i codes;
+      if (!quotient_codes_64(x + i, r, s, c, codes)) [[unlikely]] break;
+      store_64<Stream>(q + i, codes);
+    }
+    if (i + 64 > end) break;
+    fallback(i);
+    i += 64;
+  }
+  return i;
+}
+
 // Per-channel: inv_lanes / sf_lanes are RN(1 / sf) and sf in bf16_lane_order; sf itself
 // (element order) serves the blocks and the tail left to the generic kernel, which divides.
 template <bool Stream>
 __attribute__((target("avx512vbmi"))) void e4m3_rows_by_quotients(const uint16_t* x, uint8_t* q, int64_t n, const float* sf,
                                                                   const float* inv_lanes, const float* sf_lanes,
                                                                   const uint16_t* prefetch) {
-  int64_t i = 0;
-  while (i + 64 <= n) {
-    // (The generic kernel is a call, which clobbers every vector register: out of the inner
-    // loop, so that the constants stay in registers there.)
-    const QuotientConstants c;
-    for (; i + 64 <= n; i += 64) {
-      if (prefetch) prefetch_block(prefetch + i);
-      __m512 r[4], s[4];
-      for (int j = 0; j < 4; ++j) r[j] = _mm512_loadu_ps(inv_lanes + i + 16 * j), s[j] = _mm512_loadu_ps(sf_lanes + i + 16 * j);
-      __m512i codes;
-      if (!quotient_codes_64(x + i, r, s, c, codes)) [[unlikely]] break;
-      store_64<Stream>(q + i, codes);
-    }
-    if (i + 64 > n) break;
-    quantize_span<E4M3, uint16_t, true, false, false>(x + i, q + i, 64, sf + i, Reciprocals{}, nullptr);
-    i += 64;
-  }
-  if (i < n) quantize_span<E4M3, uint16_t, true, false, false>(x + i, q + i, n - i, sf + i, Reciprocals{}, nullptr);
+  auto divide = [&](int64_t i, int64_t len) {
+    quantize_span<E4M3, uint16_t, true, false, false>(x + i, q + i, len, sf + i, Reciprocals{}, nullptr);
+  };
+  const int64_t i = quotient_blocks<Stream>(
+      x, q, 0, n, prefetch,
+      [&](int64_t b, __m512* r, __m512* s) {
+        for (int j = 0; j < 4; ++j) r[j] = _mm512_loadu_ps(inv_lanes + b + 16 * j), s[j] = _mm512_loadu_ps(sf_lanes + b + 16 * j);
+      },
+      [&](int64_t b) { divide(b, 64); });
+  if (i < n) divide(i, n - i);
   if (Stream) _mm_sfence();
 }
 
@@ -216,29 +232,23 @@ __attribute__((target("avx512vbmi"))) void e4m3_rows_by_quotients(const uint16_t
 template <bool Stream>
 __attribute__((target("avx512vbmi"))) void e4m3_groups_by_quotients(const uint16_t* x, uint8_t* q, int64_t n, const float* sf,
                                                                     int64_t gran, const uint16_t* prefetch) {
-  const QuotientConstants c;  // (rebuilt by the compiler after calls, outside the inner loop)
-  for (int64_t g = 0, i = 0; i < n; ++g) {  // (a loop, not for_each_group: lambdas lose the target)
+  for (int64_t g = 0, i = 0; i < n; ++g, i = min64(n, i + gran)) {
     const int64_t end = min64(n, i + gran);
     if (!is_positive_normal(sf[g])) {  // no bound either
       quantize_span<E4M3, uint16_t, false, false, false>(x + i, q + i, end - i, sf + g, Reciprocals{}, nullptr);
-      i = end;
       continue;
     }
-    while (i + 64 <= end) {  // (the fallback out of the inner loop, as above)
-      const __m512 inv = _mm512_set1_ps(1.0f / sf[g]), scale = _mm512_set1_ps(sf[g]);
-      const __m512 r[4] = {inv, inv, inv, inv}, s[4] = {scale, scale, scale, scale};
-      for (; i + 64 <= end; i += 64) {
-        if (prefetch) prefetch_block(prefetch + i);
-        __m512i codes;
-        if (!quotient_codes_64(x + i, r, s, c, codes)) [[unlikely]] break;
-        store_64<Stream>(q + i, codes);
-      }
-      if (i + 64 > end) break;
-      quantize_span<E4M3, uint16_t, false, false, true>(x + i, q + i, 64, sf + g, Reciprocals{}, nullptr);
-      i += 64;
-    }
-    if (i < end) quantize_span<E4M3, uint16_t, false, false, true>(x + i, q + i, end - i, sf + g, Reciprocals{}, nullptr);
-    i = end;
+    auto bounded = [&](int64_t b, int64_t len) {
+      quantize_span<E4M3, uint16_t, false, false, true>(x + b, q + b, len, sf + g, Reciprocals{}, nullptr);
+    };
+    const __m512 inv = _mm512_set1_ps(1.0f / sf[g]), scale = _mm512_set1_ps(sf[g]);
+    const int64_t done = quotient_blocks<Stream>(
+        x, q, i, end, prefetch,
+        [&](int64_t, __m512* r, __m512* s) {
+          for (int j = 0; j < 4; ++j) r[j] = inv, s[j] = scale;
+        },
+        [&](int64_t b) { bounded(b, 64); });
+    if (done < end) bounded(done, end - done);
   }
   if (Stream) _mm_sfence();
 }
