@@ -726,9 +726,9 @@ class StripSource {
     return reinterpret_cast<const uint8_t*>(words);
   }
 
-  // Whether chunk k0 can be decoded by rows (decode_rows): a whole chunk of a full strip of raw e4m3, or of
-  // folded e4m3 or e2m1 whose scales are all powers of two in the range that keeps the
-  // values bf16 normals (then their shifts are in `shifts`).
+  // Whether chunk k0 can be decoded by rows (decode_rows): a whole chunk of a full strip,
+  // of raw e4m3, or of folded e4m3 or e2m1 whose scales are all powers of two in the range
+  // that keeps the values bf16 normals (then their shifts are in `shifts`).
   bool rowwise(int64_t k0, Shifts& shifts) const {
     if (!full_ || b_.k - k0 < kChunk) return false;
     if (raw_e4m3_) return true;
@@ -747,11 +747,13 @@ class StripSource {
       const int per_byte = b_.dtype == DType::e2m1x2 ? 2 : 1;  // (e4m3: one value per byte)
       const uint8_t* next = first_row_ + (k0 + kChunk) / per_byte;
       for (int r = r0; r < r1; ++r)
-        for (int64_t c = 0; c < kChunk / per_byte; c += 64) _mm_prefetch(reinterpret_cast<const char*>(next + r * row_bytes_ + c), _MM_HINT_T1);
+        for (int64_t c = 0; c < kChunk / per_byte; c += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(next + r * row_bytes_ + c), _MM_HINT_T1);
     }
     uint32_t* out = words + r0 * kChunkWords;
     if (folded_e2m1_) return e2m1_rows_to_bf16(b_, j0_ + r0, r1 - r0, k0, shifts.values + r0 * kGroups, out);
-    e4m3_chunk_to_bf16(first_row_ + r0 * row_bytes_ + k0, row_bytes_, r1 - r0, raw_e4m3_ ? nullptr : shifts.values + r0 * kGroups, out);
+    e4m3_chunk_to_bf16(first_row_ + r0 * row_bytes_ + k0, row_bytes_, r1 - r0,
+                       raw_e4m3_ ? nullptr : shifts.values + r0 * kGroups, out);
   }
 
  private:
