@@ -7,7 +7,8 @@
 //    bf16 matmul only on AVX-512 CPUs) oneDNN's sgemm on f32 copies of the bf16 operands,
 //    copies made outside the timing - the best oneDNN path a user has on such a machine.
 //  - FP8/FP4 rows: the naive path - dequantise both operands (moekit's vectorised
-//    cast_back, timed) then the oneDNN GEMM above.
+//    cast_back, timed) then the oneDNN GEMM above. FP8 rows come with f32 scales and, at
+//    M <= 16, with ue8m0 (power-of-two) scales as well ("fp8,ue8m0").
 // Correctness: a corner of every result (first rows x first columns) against the f64 oracle.
 #include <fmt/format.h>
 #include <oneapi/dnnl/dnnl.hpp>
@@ -118,7 +119,9 @@ void bench_gemm(const BenchOptions& o) {
   if (!o.quick && o.gemm_m.empty() && o.gemm_n.empty())
     for (const int64_t m : {4, 16}) problems.push_back({m, 7168, 16384});
 
-  enum class Kind { bf16, fp8, fp4 };
+  // fp8_ue8m0: FP8 (1,128,128) under power-of-two scales (DeepGEMM's SM100 recipe), which the
+  // AMX decode path folds into the weights; decode rows only (M <= 16).
+  enum class Kind { bf16, fp8, fp8_ue8m0, fp4 };
   for (const auto& [m, n, k] : problems) {
       ceilings.remeasure();
       const Tensor xa = random_bf16(m, k, 1), xb = random_bf16(n, k, 2);
@@ -129,11 +132,14 @@ void bench_gemm(const BenchOptions& o) {
       const double flops = 2.0 * static_cast<double>(m * n) * static_cast<double>(k);
       const int64_t check_rows = std::min<int64_t>(m, 8), check_cols = std::min<int64_t>(n, 128);
 
-      for (Kind kind : {Kind::bf16, Kind::fp8, Kind::fp4}) {
+      for (Kind kind : {Kind::bf16, Kind::fp8, Kind::fp8_ue8m0, Kind::fp4}) {
+        if (kind == Kind::fp8_ue8m0 && m > 16) continue;
+        const bool fp8 = kind == Kind::fp8 || kind == Kind::fp8_ue8m0;
         Quantized qa, qb;
         ref::Operand ra{xa, Tensor(), 1, 128}, rb{xb, Tensor(), 1, 128};
-        if (kind == Kind::fp8) {
-          qa = per_token_cast_to_fp8(xa, false), qb = per_block_cast_to_fp8(xb, false);
+        if (fp8) {
+          const bool ue8m0 = kind == Kind::fp8_ue8m0;
+          qa = per_token_cast_to_fp8(xa, ue8m0), qb = per_block_cast_to_fp8(xb, ue8m0);
           ra = {qa.values, qa.sf, 1, 128}, rb = {qb.values, qb.sf, 128, 128};
         } else if (kind == Kind::fp4) {  // FP8 activations x FP4 weights, ue8m0, gran_k 32
           qa = per_token_cast_to_fp8(xa, true, 32), qb = per_token_cast_to_fp4(xb, true, 32);
@@ -144,7 +150,7 @@ void bench_gemm(const BenchOptions& o) {
         // working set is >= max(128 MiB, 4x the last-level cache), for kernel and peer alike:
         // every run streams its weights from DRAM as in decoding, even when one copy would
         // fit in cache.
-        const double w_bytes = static_cast<double>(n * k) * (kind == Kind::bf16 ? 2.0 : kind == Kind::fp8 ? 1.0 : 0.5);
+        const double w_bytes = static_cast<double>(n * k) * (kind == Kind::bf16 ? 2.0 : fp8 ? 1.0 : 0.5);
         const double working_set = static_cast<double>(dram_working_set(int64_t{128} << 20));
         const int copies = m <= 16 ? static_cast<int>(std::clamp(std::ceil(working_set / w_bytes), 1.0, 1024.0)) : 1;
         auto copy_of = [](const Tensor& t) {
@@ -167,7 +173,7 @@ void bench_gemm(const BenchOptions& o) {
           for (int c = 0; c < copies; ++c) peer_bs.push_back(c == 0 ? pb : copy_of(pb));
         auto peer = [&] {
           const int c = peer_turn++ % copies;
-          if (kind == Kind::fp8) {
+          if (fp8) {
             cast_back_from_fp8_into(qa.values, qa.sf, pa, 1, 128);
             cast_back_from_fp8_into(bs[static_cast<size_t>(c)], qb.sf, pb, 128, 128);
           } else if (kind == Kind::fp4) {
@@ -179,8 +185,8 @@ void bench_gemm(const BenchOptions& o) {
           else OneDnnGemm::sgemm(pa, b, dpeer);
         };
         Row row;
-        row.kernel = kind == Kind::bf16 ? "bf16_gemm_nt" : kind == Kind::fp8 ? "fp8_gemm_nt" : "fp8_fp4_gemm_nt";
-        row.dtype = kind == Kind::bf16 ? "bf16" : kind == Kind::fp8 ? "fp8" : "fp8xfp4";
+        row.kernel = kind == Kind::bf16 ? "bf16_gemm_nt" : fp8 ? "fp8_gemm_nt" : "fp8_fp4_gemm_nt";
+        row.dtype = kind == Kind::bf16 ? "bf16" : kind == Kind::fp8 ? "fp8" : fp8 ? "fp8,ue8m0" : "fp8xfp4";
         std::tie(row.time, row.peer_time) = time_interleaved(run, peer, repeats);
         row.peer = kind == Kind::bf16 ? peer_name : "dequant+" + peer_name;
         run();  // the last run used copy (turn - 1); checked below against the same data
@@ -190,7 +196,7 @@ void bench_gemm(const BenchOptions& o) {
         row.shape = fmt::format("{}x{}x{}", m, n, k);
         row.threads = num_threads();
         row.sizes = {{"m", m}, {"n", n}, {"k", k}};
-        row.notes = {{"ok_vs_oracle", ok ? "yes" : "NO"}, {"out", "bf16"}, {"recipe", kind == Kind::bf16 ? "-" : kind == Kind::fp8 ? "1,128,128" : "1,1,32 ue8m0"}};
+        row.notes = {{"ok_vs_oracle", ok ? "yes" : "NO"}, {"out", "bf16"}, {"recipe", kind == Kind::bf16 ? "-" : kind == Kind::fp8 ? "1,128,128" : fp8 ? "1,128,128 ue8m0" : "1,1,32 ue8m0"}};
         // Small M is memory-bound: report GB/s of what must be read (B + scales + A) and
         // written (D) against the read bandwidth; otherwise TFLOPS against bf16 dot peak.
         auto throughput = [&](Row& r, double b_bytes, int weight_copies) {
@@ -215,7 +221,7 @@ void bench_gemm(const BenchOptions& o) {
         // B is a large part of the call, timed alternately against the unpacked call. The
         // packed form is f32 (4 bytes per weight; AMX panels: bf16, 2): memory-bound rows
         // count its bytes and cycle through enough packed copies to stream them from DRAM.
-        if (m > 4 && m <= 256) {
+        if (m > 4 && m <= 256 && kind != Kind::fp8_ue8m0) {  // (its packed form is the fp8 row's)
           auto pack = [&] { return kind == Kind::bf16 ? pack_bf16_weights(xb) : pack_fp8_fp4_weights({qb.values, qb.sf}); };
           std::vector<PackedWeights> packed;
           const Timing pack_time = time_it([&] { packed.push_back(pack()); }, 1, 0);  // once: the one-off cost
