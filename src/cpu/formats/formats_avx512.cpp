@@ -52,6 +52,15 @@ struct V {
   static F fnmadd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }   // c - a·b, one rounding
   static I round_int(F a) { return _mm512_cvtps_epi32(a); }  // current rounding mode: nearest-even
   static I max(I a, I b) { return _mm512_max_epi32(a, b); }
+  // The whole 32-lane blocks of amax_accumulate_bf16 (formats_simd.inc; the column amaxes
+  // of per-block and per-channel casts). kBf16Amax stays false: amax_groups widens here.
+  static int64_t bf16_amax_accumulate(const uint16_t* x, int64_t n, uint16_t* acc) {
+    const __m512i magnitude = _mm512_set1_epi16(0x7fff);
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32)
+      _mm512_storeu_si512(acc + i, _mm512_max_epu16(_mm512_loadu_si512(acc + i), _mm512_and_si512(_mm512_loadu_si512(x + i), magnitude)));
+    return i;
+  }
   static F lut8(const float* table, I idx) {
     return _mm512_permutexvar_ps(idx, _mm512_castps256_ps512(_mm256_load_ps(table)));  // idx < 8
   }
@@ -91,15 +100,6 @@ QuantizeKernel g_e4m3_bf16_zmm = nullptr, g_e4m3_bf16_ymm = nullptr;
 template <class Body>
 inline void for_each_group(int64_t n, int64_t gran, Body body) {
   for (int64_t g = 0, i = 0; i < n; ++g, i += gran) body(g, i, min64(n, i + gran));
-}
-
-// acc[i] = max(acc[i], |x[i]|) on bf16 patterns, 32 lanes per op (amax_accumulate_bf16).
-void amax_accumulate_bf16_zmm(const uint16_t* x, int64_t n, uint16_t* acc) {
-  const __m512i magnitude = _mm512_set1_epi16(0x7fff);
-  int64_t i = 0;
-  for (; i + 32 <= n; i += 32)
-    _mm512_storeu_si512(acc + i, _mm512_max_epu16(_mm512_loadu_si512(acc + i), _mm512_and_si512(_mm512_loadu_si512(x + i), magnitude)));
-  for (; i < n; ++i) acc[i] = std::max<uint16_t>(acc[i], x[i] & 0x7fff);
 }
 
 // ---- bf16 -> e4m3 casts under f32 scales: codes of the quotients ----
@@ -256,7 +256,6 @@ __attribute__((target("avx512vbmi"))) void e4m3_groups_by_quotients(const uint16
 
 void quantize_e4m3_bf16(const void* x, uint8_t* q, int64_t n, const float* sf, int64_t gran, bool stream,
                         const void* prefetch, bool scales_from_amax, Reciprocals inv) {
-  const bool pow2_path = scales_from_amax && is_bf16_pow2_group(gran) && n >= 64 && is_normal_power_of_two(sf[0]);
   const auto* in = static_cast<const uint16_t*>(x);
   const auto* next = static_cast<const uint16_t*>(prefetch);
   if (inv.scales != nullptr) {  // (set only where bf16_lane_order is: g_vbmi)
@@ -269,6 +268,7 @@ void quantize_e4m3_bf16(const void* x, uint8_t* q, int64_t n, const float* sf, i
     if (stream) return e4m3_groups_by_quotients<true>(in, q, n, sf, gran, next);
     return e4m3_groups_by_quotients<false>(in, q, n, sf, gran, next);
   }
+  const bool pow2_path = scales_from_amax && is_bf16_pow2_group(gran) && n >= 64 && is_normal_power_of_two(sf[0]);
   (pow2_path ? g_e4m3_bf16_ymm : g_e4m3_bf16_zmm)(x, q, n, sf, gran, stream, prefetch, scales_from_amax, inv);
 }
 
@@ -598,7 +598,7 @@ const FormatKernels& format_kernels_avx512() {
     // bf16 amaxes on 16-bit lanes (the AVX2 target's kBf16Amax kernels) rather than widened
     // (1.1-1.4x for the FP4 cast, whose groups of 32 make the amax pass a third of its work).
     t.amax_groups[static_cast<int>(Wide::bf16)] = avx2.amax_groups[static_cast<int>(Wide::bf16)];
-    t.amax_accumulate_bf16 = &amax_accumulate_bf16_zmm;
+    t.amax_accumulate_bf16 = &amax_accumulate_bf16<V>;
     // Layer 3 (above); each keeps the entry it replaces for the cases it leaves.
     for (int wide = 0; wide < 2; ++wide) g_e2m1_general[wide] = t.dequantize[static_cast<int>(Narrow::e2m1)][wide];
     t.dequantize[static_cast<int>(Narrow::e2m1)][static_cast<int>(Wide::f32)] = &dequantize_e2m1_tables<float>;
