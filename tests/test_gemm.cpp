@@ -707,6 +707,60 @@ TEST(GemmAmx, StreamedWeightsScalesAtTheFoldingEdges) {
   EXPECT_GE(oracle_checks, 2);  // FP4 up to 2^124 and FP8 up to 2^119 stay finite
 }
 
+// Streamed e4m3 weights take two decoders: rows of normal codes a bit rearrangement
+// (GFNI, where the CPU has it), rows holding a zero, subnormal or NaN code the tables. Every
+// one of the 256 codes, in rows of each kind, raw (f32 scales, promoted) and with folded
+// ue8m0 scales (128 x 128 blocks, and 1 x 32 groups: a shift per 32 codes), must give the
+// blocked path's bits (packed weights) and, with the NaN codes left out, the oracle's
+// values; 8 and 20 rows of A take the two tile shapes. A NaN code in a row of normal codes
+// sends that row to the tables too.
+TEST(GemmAmx, StreamedE4m3WeightsEveryCode) {
+  if (!isa_supported(Isa::amx)) GTEST_SKIP() << "no AMX-BF16 (or not granted) on this CPU";
+  ScopedIsa amx(Isa::amx);
+  const int64_t n = 64, k = 512;
+  struct Config {
+    bool ue8m0;
+    int64_t gran_mn, gran_k;
+  };
+  for (const bool with_nan : {false, true})
+    for (const Config cf : {Config{false, 128, 128}, Config{true, 128, 128}, Config{true, 1, 32}, Config{false, 1, 32}})
+      for (const int64_t m : {8, 20}) {
+        SCOPED_TRACE(std::string(cf.ue8m0 ? "ue8m0" : "f32") + " scales, gran " + std::to_string(cf.gran_mn) + " x " +
+                     std::to_string(cf.gran_k) + ", m " + std::to_string(m) + (with_nan ? ", NaN codes" : ""));
+        const Quantized qa = per_token_cast_to_fp8(random_bf16(m, k, 91), cf.ue8m0, cf.gran_k);
+        const Tensor xb = random_bf16(n, k, 92);
+        Quantized qb = cf.gran_mn == 1 ? per_token_cast_to_fp8(xb, cf.ue8m0, cf.gran_k) : per_block_cast_to_fp8(xb, cf.ue8m0);
+        uint8_t* codes = qb.values.data_ptr<uint8_t>();
+        std::mt19937 gen(93);
+        for (int64_t r = 0; r < n; ++r)
+          for (int64_t j = 0; j < k; ++j) {
+            uint8_t c = static_cast<uint8_t>((j * 37 + r * 11) % 256);
+            if (r % 2 == 1) {  // odd rows: normal codes only (exponent field 1..15, not NaN)
+              do c = static_cast<uint8_t>(gen()); while ((c & 0x78) == 0 || (c & 0x7f) == 0x7f);
+            } else if ((c & 0x7f) == 0x7f) {
+              c = with_nan && r == 0 ? c : c ^ 1;  // NaN codes in row 0 only; else the largest finite
+            }
+            codes[r * k + j] = c;
+          }
+        if (with_nan) codes[1 * k + 300] = 0xff;  // one NaN among normal codes
+        GemmOptions o;
+        o.recipe = Recipe{1, cf.gran_mn, cf.gran_k};
+        Tensor streamed = Tensor::empty({m, n}, DType::f32), blocked = Tensor::empty({m, n}, DType::f32);
+        fp8_fp4_gemm_nt(qa, qb, streamed, Tensor(), o);
+        fp8_fp4_gemm_packed(qa, pack_fp8_fp4_weights(qb, true, o), blocked, Tensor(), o);
+        EXPECT_EQ(0, std::memcmp(streamed.data(), blocked.data(), m * n * 4));
+        const float* got = streamed.data_ptr<float>();
+        if (with_nan) {
+          for (int64_t i = 0; i < m; ++i)
+            for (int64_t j = 0; j < 4; ++j) EXPECT_EQ(std::isnan(got[i * n + j]), j < 2) << "row " << i << ", column " << j;
+          continue;
+        }
+        const std::vector<double> want =
+            ref::gemm(Layout::nt, {qa.values, qa.sf, 1, cf.gran_k}, {qb.values, qb.sf, cf.gran_mn, cf.gran_k});
+        EXPECT_LE(ref::calc_diff(ref::to_f64(streamed), want), 1e-5);
+      }
+}
+
 TEST(GemmPacked, BadInputRaisesNamedErrors) {
   const Tensor a = random_bf16(6, 64, 1), b = random_bf16(8, 64, 2);
   Tensor d = Tensor::empty({6, 8}, DType::f32);

@@ -522,7 +522,7 @@ TEST(Runtime, CpuFeaturesConsistent) {
   EXPECT_EQ(&f, &moekit::cpu_features());  // detected once
   // a => b, written as !a || b.
   EXPECT_TRUE(!f.avx512f || f.os_saves_zmm);
-  EXPECT_TRUE(!(f.avx512bw || f.avx512vl || f.avx512dq || f.avx512bf16 || f.avx512vnni || f.avx512vbmi) ||
+  EXPECT_TRUE(!(f.avx512bw || f.avx512vl || f.avx512dq || f.avx512bf16 || f.avx512vnni || f.avx512vbmi || f.gfni) ||
               f.os_saves_zmm);
   EXPECT_TRUE(!f.avx2 || f.os_saves_ymm);
   EXPECT_TRUE(!f.os_saves_zmm || f.os_saves_ymm);

@@ -9,6 +9,7 @@ struct CpuFeatures {
   bool avx2 = false, fma = false, f16c = false;
   bool avx512f = false, avx512bw = false, avx512vl = false, avx512dq = false;
   bool avx512bf16 = false, avx512vnni = false, avx512vbmi = false;
+  bool gfni = false;  // Galois-field affine byte transforms (used in their 512-bit form only)
   bool os_saves_zmm = false, os_saves_ymm = false;
   // AMX tiles with bf16 dot products, and an OS that saves tile state (XCR0 bits 17-18; Linux
   // still wants a per-process request, arch_prctl ARCH_REQ_XCOMP_PERM, before first use).

@@ -18,7 +18,7 @@ void print_info(bool json) {
   const nlohmann::json j = {{"isa_best", isa_name(best_supported_isa())}, {"isa_active", isa_name(active_isa())},
                             {"threads", num_threads()}, {"avx2", f.avx2}, {"fma", f.fma}, {"avx512f", f.avx512f},
                             {"avx512bw", f.avx512bw}, {"avx512vl", f.avx512vl}, {"avx512bf16", f.avx512bf16},
-                            {"avx512vnni", f.avx512vnni}, {"avx512vbmi", f.avx512vbmi},
+                            {"avx512vnni", f.avx512vnni}, {"avx512vbmi", f.avx512vbmi}, {"gfni", f.gfni},
                             {"os_saves_zmm", f.os_saves_zmm}, {"amx_bf16", f.amx_bf16},
                             {"cuda_devices", cuda_device_count()}};
   if (json) fmt::print("{}\n", j.dump());

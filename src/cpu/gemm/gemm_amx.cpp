@@ -193,42 +193,113 @@ __attribute__((target("avx512vbmi"))) void e4m3_to_bf16(const uint8_t* src, int6
   }
 }
 
-// A whole chunk of `rows` rows x 256 e4m3 codes (rows `row_bytes` apart) as load_words lays
-// out bf16: the tables stay in registers across the chunk (the per-row decoder above reloads
-// them and handles tails; here that overhead was most of the streaming kernel's time).
-// `shifts` (null: raw codes) folds power-of-two scales: shifts[r * groups + g] is the
-// scale exponent times 128, added to the bf16 bits of every finite nonzero value of 32-wide
-// group g (K groups of 32 · 2^j share their shift), which is exact when the results stay
-// bf16 normals (StripSource::rowwise says which scales those are).
-__attribute__((target("avx512vbmi"))) void e4m3_chunk_to_bf16(const uint8_t* src, int64_t row_bytes, int rows,
-                                                              const int16_t* shifts, uint32_t* out) {
-  static const E4m3ToBf16 table;
-  const E4m3ToBf16 t = table;  // (a local copy: the compiler keeps it in registers)
-  constexpr int kGroups = kChunk / 32;
+// One row of a chunk (256 e4m3 codes) as bf16 through the byte tables; `shifts` (null: raw
+// codes) folds power-of-two scales: shifts[g] is the scale exponent times 128, added to the
+// bf16 bits of every finite nonzero value of 32-wide group g (K groups of 32 · 2^j share
+// their shift), which is exact when the results stay bf16 normals (StripSource::rowwise
+// says which scales those are).
+__attribute__((target("avx512vbmi"))) inline void e4m3_row_by_tables(const E4m3ToBf16& t, const uint8_t* src,
+                                                                     const int16_t* shifts, uint16_t* dst) {
   const __m512i magnitude = _mm512_set1_epi8(0x7f);
+  for (int i = 0; i < kChunk; i += 64) {
+    const __m512i x = _mm512_loadu_si512(src + i);
+    __m512i v0, v1;
+    e4m3_block(t, x, v0, v1);
+    if (shifts) {
+      const __m512i mag = _mm512_and_si512(x, magnitude);
+      // Finite nonzero codes (not 0 or NaN 0x7f, either sign) take the shift. NaN codes of
+      // either sign give the positive quiet NaN, as the scaling decoders (f32 value times
+      // scale) that the blocked path folds with do.
+      const __mmask64 nan = _mm512_cmpeq_epi8_mask(mag, magnitude);
+      const __mmask64 scaled = _mm512_test_epi8_mask(x, magnitude) & ~nan;
+      const int16_t* sh = shifts + i / 32;
+      const __m512i quiet_nan = _mm512_set1_epi16(0x7fc0);
+      v0 = _mm512_mask_add_epi16(v0, static_cast<__mmask32>(scaled), v0, _mm512_set1_epi16(sh[0]));
+      v1 = _mm512_mask_add_epi16(v1, static_cast<__mmask32>(scaled >> 32), v1, _mm512_set1_epi16(sh[1]));
+      v0 = _mm512_mask_mov_epi16(v0, static_cast<__mmask32>(nan), quiet_nan);
+      v1 = _mm512_mask_mov_epi16(v1, static_cast<__mmask32>(nan >> 32), quiet_nan);
+    }
+    _mm512_store_si512(dst + i, v0);
+    _mm512_store_si512(dst + i + 32, v1);
+  }
+}
+
+// e4m3 normals to bf16 without tables (GFNI). A normal code s eeee mmm is 2^(e - 7) ·
+// 1.mmm; times 2^8 its bf16 exponent field is e + 128 = 1000eeee, a carry-free bit
+// pattern, so both bytes of the bf16 word are fixed rearrangements of the code's bits:
+//   high byte s1000eee (e's top three bits), low byte emmm0000 (e's low bit, m),
+// which two affine byte transforms (vgf2p8affineqb: a bit matrix and a constant) form. The
+// 2^8 comes off again in the exponent field, together with any folded scale's shift (bf16
+// normals in, bf16 normals out: exact). Zeros, subnormals (e = 0) and NaN codes do not
+// follow that pattern; a row holding one goes through the tables instead.
+struct E4m3Affine {
+  // The matrix whose output bit i is input bit from[i] (-1: zero). (Byte 7 - i of the
+  // qword selects the input bits that output bit i sums.)
+  static constexpr uint64_t matrix(const int (&from)[8]) {
+    uint64_t m = 0;
+    for (int i = 0; i < 8; ++i)
+      if (from[i] >= 0) m |= uint64_t{1} << (8 * (7 - i) + from[i]);
+    return m;
+  }
+  static constexpr int kHighFrom[8] = {4, 5, 6, -1, -1, -1, -1, 7};  // eee (bits 6-4) -> 2-0, s -> 7
+  static constexpr int kLowFrom[8] = {-1, -1, -1, -1, 0, 1, 2, 3};   // emmm (bits 3-0) -> 7-4
+  static constexpr uint8_t kHighConstant = 0x40;                      // the exponent field's 128
+  static constexpr int16_t kUnbias = -8 * 128;                        // 2^-8 in the exponent field
+  __m512i high, low, order;
+  E4m3Affine()
+      : high(_mm512_set1_epi64(static_cast<int64_t>(matrix(kHighFrom)))),
+        low(_mm512_set1_epi64(static_cast<int64_t>(matrix(kLowFrom)))),
+        // Quadwords 0 4 1 5 2 6 3 7: the in-lane byte unpacks then give codes 0-31 and 32-63.
+        order(_mm512_setr_epi64(0, 4, 1, 5, 2, 6, 3, 7)) {}
+};
+
+// One row of a chunk by E4m3Affine; `offsets` (null: raw codes) holds, per 32-wide group, the
+// word pair (o, o) with o = that group's shift (as e4m3_row_by_tables) plus kUnbias. False
+// when the row holds a zero, subnormal or NaN code (dst then holds garbage).
+__attribute__((target("avx512bw,avx512vbmi,gfni"))) inline bool e4m3_row_by_affine(const E4m3Affine& t,
+                                                                                  const uint8_t* src,
+                                                                                  const int32_t* offsets,
+                                                                                  uint16_t* dst) {
+  const __m512i unbias = _mm512_set1_epi16(E4m3Affine::kUnbias);
+  __m512i least = _mm512_set1_epi8(-1), most = _mm512_setzero_si512();
+  for (int i = 0; i < kChunk; i += 64) {
+    const __m512i x = _mm512_loadu_si512(src + i);
+    const __m512i ordered = _mm512_permutexvar_epi64(t.order, x);
+    const __m512i high = _mm512_gf2p8affine_epi64_epi8(ordered, t.high, E4m3Affine::kHighConstant);
+    const __m512i low = _mm512_gf2p8affine_epi64_epi8(ordered, t.low, 0);
+    // 2|code| (the sign shifted out): below 16 for e = 0, 254 for NaN.
+    const __m512i twice = _mm512_add_epi8(x, x);
+    least = _mm512_min_epu8(least, twice);
+    most = _mm512_max_epu8(most, twice);
+    // (a broadcast from memory is a plain load; a 16-bit one would need a shuffle)
+    const __m512i o0 = offsets ? _mm512_set1_epi32(offsets[i / 32]) : unbias;
+    const __m512i o1 = offsets ? _mm512_set1_epi32(offsets[i / 32 + 1]) : unbias;
+    _mm512_store_si512(dst + i, _mm512_add_epi16(_mm512_unpacklo_epi8(low, high), o0));
+    _mm512_store_si512(dst + i + 32, _mm512_add_epi16(_mm512_unpackhi_epi8(low, high), o1));
+  }
+  return (_mm512_cmplt_epu8_mask(least, _mm512_set1_epi8(16)) | _mm512_cmpeq_epi8_mask(most, _mm512_set1_epi8(-2))) == 0;
+}
+
+// A whole chunk of `rows` rows x 256 e4m3 codes (rows `row_bytes` apart) as load_words lays
+// out bf16, row by row: by E4m3Affine where the CPU has GFNI (`affine`), rows with special
+// codes (and every row elsewhere) by the tables, which stay in registers across the chunk
+// (the per-row decoder above reloads them and handles tails; there that overhead was most of
+// the streaming kernel's time). `shifts` / `offsets`: per row, kChunk / 32 of each (null:
+// raw codes).
+__attribute__((target("avx512bw,avx512vbmi,gfni"))) void e4m3_chunk_to_bf16(const uint8_t* src, int64_t row_bytes,
+                                                                           int rows, const int16_t* shifts,
+                                                                           const int32_t* offsets, bool affine,
+                                                                           uint32_t* out) {
+  static const E4m3ToBf16 table;
+  static const E4m3Affine affine_table;
+  const E4m3ToBf16 t = table;  // (local copies: the compiler keeps them in registers)
+  const E4m3Affine a = affine_table;
+  constexpr int kGroups = kChunk / 32;
   for (int r = 0; r < rows; ++r) {
     auto* dst = reinterpret_cast<uint16_t*>(out + r * kChunkWords);
-    for (int i = 0; i < kChunk; i += 64) {
-      const __m512i x = _mm512_loadu_si512(src + r * row_bytes + i);
-      __m512i v0, v1;
-      e4m3_block(t, x, v0, v1);
-      if (shifts) {
-        const __m512i mag = _mm512_and_si512(x, magnitude);
-        // Finite nonzero codes (not 0 or NaN 0x7f, either sign) take the shift. NaN codes of
-        // either sign give the positive quiet NaN, as the scaling decoders (f32 value times
-        // scale) that the blocked path folds with do.
-        const __mmask64 nan = _mm512_cmpeq_epi8_mask(mag, magnitude);
-        const __mmask64 scaled = _mm512_test_epi8_mask(x, magnitude) & ~nan;
-        const int16_t* sh = shifts + r * kGroups + i / 32;
-        const __m512i quiet_nan = _mm512_set1_epi16(0x7fc0);
-        v0 = _mm512_mask_add_epi16(v0, static_cast<__mmask32>(scaled), v0, _mm512_set1_epi16(sh[0]));
-        v1 = _mm512_mask_add_epi16(v1, static_cast<__mmask32>(scaled >> 32), v1, _mm512_set1_epi16(sh[1]));
-        v0 = _mm512_mask_mov_epi16(v0, static_cast<__mmask32>(nan), quiet_nan);
-        v1 = _mm512_mask_mov_epi16(v1, static_cast<__mmask32>(nan >> 32), quiet_nan);
-      }
-      _mm512_store_si512(dst + i, v0);
-      _mm512_store_si512(dst + i + 32, v1);
-    }
+    const uint8_t* row = src + r * row_bytes;
+    if (affine && e4m3_row_by_affine(a, row, offsets ? offsets + r * kGroups : nullptr, dst)) continue;
+    e4m3_row_by_tables(t, row, shifts ? shifts + r * kGroups : nullptr, dst);
   }
 }
 
@@ -700,6 +771,8 @@ class StripSource {
   // The shifts of a chunk's rows (kMr x kGroups), for folded chunks decoded by rows.
   struct Shifts {
     alignas(64) int16_t values[kMr * kGroups];
+    // (folded e4m3 by E4m3Affine) each value plus E4m3Affine::kUnbias, as a word pair
+    alignas(64) int32_t offsets[kMr * kGroups];
   };
 
   StripSource(const GemmOperand& b, int64_t j0, int rows, int strip)
@@ -707,7 +780,8 @@ class StripSource {
         first_row_(row_ptr(b, j0)),
         raw_e4m3_(b.dtype == DType::e4m3 && (!b.sf || b.promote) && cpu_features().avx512vbmi),
         folded_e4m3_(b.dtype == DType::e4m3 && b.sf && !b.promote && b.gran_k % 32 == 0 && cpu_features().avx512vbmi),
-        folded_e2m1_(b.dtype == DType::e2m1x2 && b.sf && !b.promote && b.gran_k % 32 == 0) {}
+        folded_e2m1_(b.dtype == DType::e2m1x2 && b.sf && !b.promote && b.gran_k % 32 == 0),
+        affine_(cpu_features().gfni) {}
 
   // Chunk [k0, k0 + kChunk) as A tiles: where they are (plain bf16 rows in place) or
   // decoded into `words` (rows past the strip's stay as they are: a 16-row strip loads
@@ -734,7 +808,15 @@ class StripSource {
     if (raw_e4m3_) return true;
     // e4m3 values run from 2^-9 to 1.75 · 2^8: scaled by 2^-100 .. 2^119 they stay bf16
     // normals; e2m1 values (0.5 to 6) up to 2^120.
-    if (folded_e4m3_) return chunk_shifts(b_, j0_, rows_, k0, -100, 119, shifts.values);
+    if (folded_e4m3_) {
+      if (!chunk_shifts(b_, j0_, rows_, k0, -100, 119, shifts.values)) return false;
+      if (affine_)
+        for (int i = 0; i < rows_ * kGroups; ++i) {
+          const auto o = static_cast<uint16_t>(shifts.values[i] + E4m3Affine::kUnbias);
+          shifts.offsets[i] = static_cast<int32_t>(o | static_cast<uint32_t>(o) << 16);
+        }
+      return true;
+    }
     if (folded_e2m1_) return chunk_shifts(b_, j0_, rows_, k0, -100, 120, shifts.values);
     return false;
   }
@@ -753,7 +835,8 @@ class StripSource {
     uint32_t* out = words + r0 * kChunkWords;
     if (folded_e2m1_) return e2m1_rows_to_bf16(b_, j0_ + r0, r1 - r0, k0, shifts.values + r0 * kGroups, out);
     e4m3_chunk_to_bf16(first_row_ + r0 * row_bytes_ + k0, row_bytes_, r1 - r0,
-                       raw_e4m3_ ? nullptr : shifts.values + r0 * kGroups, out);
+                       raw_e4m3_ ? nullptr : shifts.values + r0 * kGroups, raw_e4m3_ ? nullptr : shifts.offsets + r0 * kGroups,
+                       affine_, out);
   }
 
  private:
@@ -764,6 +847,7 @@ class StripSource {
   int64_t row_bytes_;
   const uint8_t* first_row_;
   bool raw_e4m3_, folded_e4m3_, folded_e2m1_;
+  bool affine_;  // e4m3 rows by E4m3Affine (GFNI)
 };
 
 // Weight rows [j0, j0 + rows) against every row of A, all of K: acc[n * 32 + m].
