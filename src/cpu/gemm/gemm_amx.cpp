@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #include "core/scratch.h"
 #include "cpu/formats/format_kernels.h"
@@ -904,12 +905,16 @@ void stream_strip(const Stream& st, int64_t j0, int rows, float* acc) {
   if (!st.promoted) take_sums(st, false, acc);
 }
 
+#include "dot_row_amx.inc"
+
 // out[m, j - n0] = Σ_k a[m, k] · b[j, k] for m < a.mn (at most kStreamM), j in [n0, n1); B
 // K-major. A is packed once per call.
 void stream_small_m(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t n1, float* out, int64_t ld_out) {
-  // One row of A uses a sixteenth of each product; the FMA kernel, which decodes B straight
-  // into registers, streamed FP8 and FP4 weights faster there (bf16 the same), and gives
-  // the FMA paths' bits.
+  // One row of A uses a sixteenth of each product: e4m3 weights take bf16 dot products
+  // decoded in registers (dot_row_amx.inc); others the FMA kernel, which decodes B straight
+  // into registers too (it streamed FP4 weights faster there than the tiles, bf16 the
+  // same), and gives the FMA paths' bits.
+  if (dot_row_takes(a, b)) return dot_row_small_m(a, b, n0, n1, out);
   if (a.mn == 1 && a.k_major && (!b.sf || b.gran_k % 8 == 0))
     return gemm_kernels_avx512().small_m(a, b, n0, n1, out, ld_out);
   configure();
