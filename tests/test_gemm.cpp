@@ -761,15 +761,16 @@ TEST(GemmAmx, StreamedE4m3WeightsEveryCode) {
       }
 }
 
-// One row of A against e4m3 weights takes bf16 dot products with the weights decoded in
-// registers (the AMX target's own order). Against the oracle: every code in rows of each
-// decoder's kind (as above); a row of subnormals alone, with no zero among them (a zero
+// One or two rows of A against e4m3 weights take bf16 dot products with the weights decoded
+// in registers (the AMX target's own order). Against the oracle: every code in rows of
+// each decoder's kind (as above); a row of subnormals alone, with no zero among them (a zero
 // sends its block to the tables), and a row of the least normal code with one largest
-// subnormal, checked on their own, since next to larger codes they are too small to show; K with a partial last 64-code block and partial last scale group; N
-// ending mid-pass (8 weight rows per pass); f32 and ue8m0 scales in 128 x 128 blocks and
-// 1 x 32 groups (two groups per block). The same bits on one and two threads (1100 x 1000
-// weights are enough for two), and a NaN code poisons its own column only.
-TEST(GemmAmx, OneRowOfE4m3WeightsMatchesOracle) {
+// subnormal, checked on their own, since next to larger codes they are too small to show;
+// K with a partial last 64-code block and partial last scale group; N ending mid-pass (8 or
+// 4 weight rows per pass); f32 and ue8m0 scales in 128 x 128 blocks and 1 x 32 groups (two
+// groups per block). The same bits on one and two threads (1100 x 1000 weights are enough
+// for two), and a NaN code poisons its own column only.
+TEST(GemmAmx, OneOrTwoRowsOfE4m3WeightsMatchOracle) {
   if (!isa_supported(Isa::amx)) GTEST_SKIP() << "no AMX-BF16 (or not granted) on this CPU";
   ScopedIsa amx(Isa::amx);
   ThreadGuard guard;
@@ -778,44 +779,50 @@ TEST(GemmAmx, OneRowOfE4m3WeightsMatchesOracle) {
     int64_t gran_mn, gran_k;
   };
   uint64_t seed = 9700;
-  for (const int64_t k : {64, 100, 1000})
-    for (const int64_t n : {1, 13, 1100})
-      for (const Config cf : {Config{false, 128, 128}, Config{true, 128, 128}, Config{true, 1, 32}, Config{false, 1, 32}}) {
-        SCOPED_TRACE(std::string(cf.ue8m0 ? "ue8m0" : "f32") + " scales, gran " + std::to_string(cf.gran_mn) + " x " +
-                     std::to_string(cf.gran_k) + ", k " + std::to_string(k) + ", n " + std::to_string(n));
-        const Quantized qa = per_token_cast_to_fp8(random_bf16(1, k, seed++), cf.ue8m0, cf.gran_k);
-        const Tensor xb = random_bf16(n, k, seed++);
-        Quantized qb = cf.gran_mn == 1 ? per_token_cast_to_fp8(xb, cf.ue8m0, cf.gran_k) : per_block_cast_to_fp8(xb, cf.ue8m0);
-        uint8_t* codes = qb.values.data_ptr<uint8_t>();
-        for (int64_t r = 0; r < n; r += 3)  // every third row: every finite code in turn
-          for (int64_t j = 0; j < k; ++j) {
-            const auto c = static_cast<uint8_t>((j * 37 + r * 11) % 256);
-            codes[r * k + j] = (c & 0x7f) == 0x7f ? c ^ 1 : c;
-          }
-        if (n > 2)  // row 1: subnormals 1..7 of both signs; row 2: the least normal, and one largest subnormal
-          for (int64_t j = 0; j < k; ++j) {
-            codes[k + j] = static_cast<uint8_t>((j % 16 < 8 ? 0 : 0x80) | (1 + j * 5 % 7));
-            codes[2 * k + j] = static_cast<uint8_t>(j == k / 2 ? 0x07 : j % 3 ? 0x08 : 0x88);
-          }
-        GemmOptions o;
-        o.recipe = Recipe{1, cf.gran_mn, cf.gran_k};
-        Tensor one = Tensor::empty({1, n}, DType::f32), two = Tensor::empty({1, n}, DType::f32);
-        set_num_threads(1);
-        fp8_fp4_gemm_nt(qa, qb, one, Tensor(), o);
-        set_num_threads(2);
-        fp8_fp4_gemm_nt(qa, qb, two, Tensor(), o);
-        EXPECT_EQ(0, std::memcmp(one.data(), two.data(), n * 4));
-        const std::vector<double> want =
-            ref::gemm(Layout::nt, {qa.values, qa.sf, 1, cf.gran_k}, {qb.values, qb.sf, cf.gran_mn, cf.gran_k});
-        EXPECT_LE(ref::calc_diff(ref::to_f64(one), want), 1e-5);
-        for (int64_t j = 1; j < std::min<int64_t>(n, 3); ++j)
-          EXPECT_NEAR(one.data_ptr<float>()[j], want[static_cast<size_t>(j)], 1e-5 * std::abs(want[static_cast<size_t>(j)]))
-              << "subnormal codes, column " << j;
-        if (n < 13) continue;
-        codes[5 * k + k - 1] = 0xff;  // a NaN code, in the last block of a row of normal codes
-        fp8_fp4_gemm_nt(qa, qb, one, Tensor(), o);
-        for (int64_t j = 0; j < n; ++j) EXPECT_EQ(std::isnan(one.data_ptr<float>()[j]), j == 5) << "column " << j;
-      }
+  for (const int64_t m : {1, 2})
+    for (const int64_t k : {64, 100, 1000})
+      for (const int64_t n : {1, 13, 1100})
+        for (const Config cf : {Config{false, 128, 128}, Config{true, 128, 128}, Config{true, 1, 32}, Config{false, 1, 32}}) {
+          SCOPED_TRACE(std::string(cf.ue8m0 ? "ue8m0" : "f32") + " scales, gran " + std::to_string(cf.gran_mn) + " x " +
+                       std::to_string(cf.gran_k) + ", m " + std::to_string(m) + ", k " + std::to_string(k) + ", n " +
+                       std::to_string(n));
+          const Quantized qa = per_token_cast_to_fp8(random_bf16(m, k, seed++), cf.ue8m0, cf.gran_k);
+          const Tensor xb = random_bf16(n, k, seed++);
+          Quantized qb = cf.gran_mn == 1 ? per_token_cast_to_fp8(xb, cf.ue8m0, cf.gran_k) : per_block_cast_to_fp8(xb, cf.ue8m0);
+          uint8_t* codes = qb.values.data_ptr<uint8_t>();
+          for (int64_t r = 0; r < n; r += 3)  // every third row: every finite code in turn
+            for (int64_t j = 0; j < k; ++j) {
+              const auto c = static_cast<uint8_t>((j * 37 + r * 11) % 256);
+              codes[r * k + j] = (c & 0x7f) == 0x7f ? c ^ 1 : c;
+            }
+          if (n > 2)  // row 1: subnormals 1..7 of both signs; row 2: the least normal, and one largest subnormal
+            for (int64_t j = 0; j < k; ++j) {
+              codes[k + j] = static_cast<uint8_t>((j % 16 < 8 ? 0 : 0x80) | (1 + j * 5 % 7));
+              codes[2 * k + j] = static_cast<uint8_t>(j == k / 2 ? 0x07 : j % 3 ? 0x08 : 0x88);
+            }
+          GemmOptions o;
+          o.recipe = Recipe{1, cf.gran_mn, cf.gran_k};
+          Tensor one = Tensor::empty({m, n}, DType::f32), two = Tensor::empty({m, n}, DType::f32);
+          set_num_threads(1);
+          fp8_fp4_gemm_nt(qa, qb, one, Tensor(), o);
+          set_num_threads(2);
+          fp8_fp4_gemm_nt(qa, qb, two, Tensor(), o);
+          EXPECT_EQ(0, std::memcmp(one.data(), two.data(), m * n * 4));
+          const std::vector<double> want =
+              ref::gemm(Layout::nt, {qa.values, qa.sf, 1, cf.gran_k}, {qb.values, qb.sf, cf.gran_mn, cf.gran_k});
+          EXPECT_LE(ref::calc_diff(ref::to_f64(one), want), 1e-5);
+          for (int64_t i = 0; i < m; ++i)
+            for (int64_t j = 1; j < std::min<int64_t>(n, 3); ++j) {
+              const double w = want[static_cast<size_t>(i * n + j)];
+              EXPECT_NEAR(one.data_ptr<float>()[i * n + j], w, 1e-5 * std::abs(w)) << "subnormal codes, row " << i << ", column " << j;
+            }
+          if (n < 13) continue;
+          codes[5 * k + k - 1] = 0xff;  // a NaN code, in the last block of a row of normal codes
+          fp8_fp4_gemm_nt(qa, qb, one, Tensor(), o);
+          for (int64_t i = 0; i < m; ++i)
+            for (int64_t j = 0; j < n; ++j)
+              EXPECT_EQ(std::isnan(one.data_ptr<float>()[i * n + j]), j == 5) << "row " << i << ", column " << j;
+        }
 }
 
 TEST(GemmPacked, BadInputRaisesNamedErrors) {

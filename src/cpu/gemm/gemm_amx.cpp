@@ -910,11 +910,12 @@ void stream_strip(const Stream& st, int64_t j0, int rows, float* acc) {
 // out[m, j - n0] = Σ_k a[m, k] · b[j, k] for m < a.mn (at most kStreamM), j in [n0, n1); B
 // K-major. A is packed once per call.
 void stream_small_m(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t n1, float* out, int64_t ld_out) {
-  // One row of A uses a sixteenth of each product: e4m3 weights take bf16 dot products
-  // decoded in registers (dot_row_amx.inc); others the FMA kernel, which decodes B straight
-  // into registers too (it streamed FP4 weights faster there than the tiles, bf16 the
-  // same), and gives the FMA paths' bits.
-  if (dot_row_takes(a, b)) return dot_row_small_m(a, b, n0, n1, out);
+  // One or two rows of A use a sixteenth or an eighth of each product: against e4m3
+  // weights they take bf16 dot products on weights decoded in registers (dot_row_amx.inc);
+  // one row against other weights the FMA kernel, which decodes B straight into registers
+  // too (it streamed FP4 weights faster there than the tiles, bf16 the same), and gives the
+  // FMA paths' bits.
+  if (dot_row_takes(a, b)) return dot_row_small_m(a, b, n0, n1, out, ld_out);
   if (a.mn == 1 && a.k_major && (!b.sf || b.gran_k % 8 == 0))
     return gemm_kernels_avx512().small_m(a, b, n0, n1, out, ld_out);
   configure();
