@@ -648,7 +648,7 @@ TEST(GemmAmx, TakesWhatItCanPromoteAndLeavesTheRestToAvx512) {
 TEST(GemmAmx, StreamedWeightsScalesAtTheFoldingEdges) {
   if (!isa_supported(Isa::amx)) GTEST_SKIP() << "no AMX-BF16 (or not granted) on this CPU";
   ScopedIsa amx(Isa::amx);
-  const int64_t m = 8, n = 70, k = 800;
+  const int64_t n = 70, k = 800;
   // Positive operands: weights scaled past the finite range are +inf, and every product and
   // sum with them is +inf, so a NaN where the blocked path has inf shows in the bits.
   auto positive = [](Tensor t) {
@@ -661,50 +661,53 @@ TEST(GemmAmx, StreamedWeightsScalesAtTheFoldingEdges) {
     int fast_hi, over, largest;  // the fast path's largest exponent, one past it (or not), any
   };
   int oracle_checks = 0;
-  for (const Config cf : {Config{true, 32, 120, 121, 124}, Config{true, 32, 120, 121, 126}, Config{false, 32, 119, 119, 119},
-                          Config{false, 128, 119, 120, 120}, Config{false, 128, 119, 120, 126}}) {
-    SCOPED_TRACE(std::string(cf.fp4 ? "fp4" : "fp8") + ", gran " + std::to_string(cf.gran) + ", largest scale 2^" +
-                 std::to_string(cf.largest));
-    const int64_t gran = cf.gran, groups = (k + gran - 1) / gran;
-    const Quantized qa = per_token_cast_to_fp8(positive(random_bf16(m, k, 81)), true, gran);
-    for (float* s = qa.sf.data_ptr<float>(); s < qa.sf.data_ptr<float>() + m * groups; ++s) *s = std::ldexp(*s, -60);
-    const Tensor xb = positive(random_bf16(n, k, 82));
-    Quantized qb = cf.fp4 ? per_token_cast_to_fp4(xb, true, gran) : per_token_cast_to_fp8(xb, true, gran);
-    const int exponents[] = {-100, -99, 0, 7, cf.fast_hi - 1, cf.fast_hi, cf.over, cf.largest};
-    float* sf = qb.sf.data_ptr<float>();
-    const int64_t per_chunk = 256 / gran;
-    for (int64_t r = 0; r < n; ++r)
-      for (int64_t g = 0; g < groups; ++g) {
-        // Chunks 0 and 2 keep exponents within the fast range; chunk 1 and the partial chunk
-        // 3 take any of them, in some rows only.
-        const bool any = (g / per_chunk == 1 || g / per_chunk == 3) && r % 3 == 0;
-        sf[r * groups + g] = std::ldexp(1.0f, exponents[(r + 3 * g) % (any ? 8 : 6)]);
+  // (One row of A: FP4 weights stream through the tiles too; FP8 ones take dot products.)
+  for (const int64_t m : {8, 1})
+    for (const Config cf : {Config{true, 32, 120, 121, 124}, Config{true, 32, 120, 121, 126}, Config{false, 32, 119, 119, 119},
+                            Config{false, 128, 119, 120, 120}, Config{false, 128, 119, 120, 126}}) {
+      if (m == 1 && !cf.fp4) continue;
+      SCOPED_TRACE(std::string(cf.fp4 ? "fp4" : "fp8") + ", gran " + std::to_string(cf.gran) + ", largest scale 2^" +
+                   std::to_string(cf.largest) + ", m " + std::to_string(m));
+      const int64_t gran = cf.gran, groups = (k + gran - 1) / gran;
+      const Quantized qa = per_token_cast_to_fp8(positive(random_bf16(m, k, 81)), true, gran);
+      for (float* s = qa.sf.data_ptr<float>(); s < qa.sf.data_ptr<float>() + m * groups; ++s) *s = std::ldexp(*s, -60);
+      const Tensor xb = positive(random_bf16(n, k, 82));
+      Quantized qb = cf.fp4 ? per_token_cast_to_fp4(xb, true, gran) : per_token_cast_to_fp8(xb, true, gran);
+      const int exponents[] = {-100, -99, 0, 7, cf.fast_hi - 1, cf.fast_hi, cf.over, cf.largest};
+      float* sf = qb.sf.data_ptr<float>();
+      const int64_t per_chunk = 256 / gran;
+      for (int64_t r = 0; r < n; ++r)
+        for (int64_t g = 0; g < groups; ++g) {
+          // Chunks 0 and 2 keep exponents within the fast range; chunk 1 and the partial chunk
+          // 3 take any of them, in some rows only.
+          const bool any = (g / per_chunk == 1 || g / per_chunk == 3) && r % 3 == 0;
+          sf[r * groups + g] = std::ldexp(1.0f, exponents[(r + 3 * g) % (any ? 8 : 6)]);
+        }
+      // A negative power of two: folded, but not by an exponent add. (Row 4 keeps unit scales
+      // elsewhere, so that its first group's sign shows in its sums.)
+      for (int64_t g = 0; g < groups; ++g) sf[4 * groups + g] = g == 0 ? -1.0f : 1.0f;
+      if (!cf.fp4 && cf.largest == 126) {
+        // NaN codes of either sign and a negative zero in a fast chunk, in both halves of a
+        // 64-code block.
+        uint8_t* codes = qb.values.data_ptr<uint8_t>();
+        for (const int64_t at : {int64_t{10}, int64_t{40}}) {
+          const int64_t row = at == 10 ? 5 : 8;  // (other rows: one NaN per dot product)
+          codes[row * k + at] = 0x7f, codes[(row + 1) * k + at + 1] = 0xff, codes[(row + 2) * k + at + 2] = 0x80;
+        }
       }
-    // A negative power of two: folded, but not by an exponent add. (Row 4 keeps unit scales
-    // elsewhere, so that its first group's sign shows in its sums.)
-    for (int64_t g = 0; g < groups; ++g) sf[4 * groups + g] = g == 0 ? -1.0f : 1.0f;
-    if (!cf.fp4 && cf.largest == 126) {
-      // NaN codes of either sign and a negative zero in a fast chunk, in both halves of a
-      // 64-code block.
-      uint8_t* codes = qb.values.data_ptr<uint8_t>();
-      for (const int64_t at : {int64_t{10}, int64_t{40}}) {
-        const int64_t row = at == 10 ? 5 : 8;  // (other rows: one NaN per dot product)
-        codes[row * k + at] = 0x7f, codes[(row + 1) * k + at + 1] = 0xff, codes[(row + 2) * k + at + 2] = 0x80;
-      }
+      GemmOptions o;
+      o.recipe = Recipe{1, 1, gran};
+      Tensor streamed = Tensor::empty({m, n}, DType::f32), blocked = Tensor::empty({m, n}, DType::f32);
+      fp8_fp4_gemm_nt(qa, qb, streamed, Tensor(), o);
+      fp8_fp4_gemm_packed(qa, pack_fp8_fp4_weights(qb, true, o), blocked, Tensor(), o);
+      EXPECT_EQ(0, std::memcmp(streamed.data(), blocked.data(), m * n * 4));
+      const float* got = streamed.data_ptr<float>();
+      if (!std::all_of(got, got + m * n, [](float v) { return std::isfinite(v); })) continue;
+      ++oracle_checks;
+      const std::vector<double> want = ref::gemm(Layout::nt, {qa.values, qa.sf, 1, gran}, {qb.values, qb.sf, 1, gran});
+      EXPECT_LE(ref::calc_diff(ref::to_f64(streamed), want), 1e-5);
     }
-    GemmOptions o;
-    o.recipe = Recipe{1, 1, gran};
-    Tensor streamed = Tensor::empty({m, n}, DType::f32), blocked = Tensor::empty({m, n}, DType::f32);
-    fp8_fp4_gemm_nt(qa, qb, streamed, Tensor(), o);
-    fp8_fp4_gemm_packed(qa, pack_fp8_fp4_weights(qb, true, o), blocked, Tensor(), o);
-    EXPECT_EQ(0, std::memcmp(streamed.data(), blocked.data(), m * n * 4));
-    const float* got = streamed.data_ptr<float>();
-    if (!std::all_of(got, got + m * n, [](float v) { return std::isfinite(v); })) continue;
-    ++oracle_checks;
-    const std::vector<double> want = ref::gemm(Layout::nt, {qa.values, qa.sf, 1, gran}, {qb.values, qb.sf, 1, gran});
-    EXPECT_LE(ref::calc_diff(ref::to_f64(streamed), want), 1e-5);
-  }
-  EXPECT_GE(oracle_checks, 2);  // FP4 up to 2^124 and FP8 up to 2^119 stay finite
+  EXPECT_GE(oracle_checks, 3);  // FP4 up to 2^124 (m 8 and 1) and FP8 up to 2^119 stay finite
 }
 
 // Streamed e4m3 weights take two decoders: rows of normal codes a bit rearrangement
