@@ -150,19 +150,22 @@ GemmOperand values_to_pack(const GemmOperand& src) {
 
 // Raw e4m3 codes straight to bf16 with AVX-512 VBMI: byte tables of the 128 magnitudes'
 // bf16 bits (from the exact decoder; every e4m3 value, subnormals included, is a bf16
-// normal or zero, NaN stays NaN), the sign byte or-ed in, bytes interleaved.
+// normal or zero, NaN stays NaN), the sign byte or-ed in, bytes interleaved. `factor` (a
+// power of two that keeps every value a bf16 normal) scales the values; `code_of(v, w)`
+// is the code that word w of output vector v holds (by default codes 0-31, then 32-63).
 struct E4m3ToBf16 {
   __m512i lo_a, lo_b, hi_a, hi_b, first, second;
-  E4m3ToBf16() {
+  static constexpr int in_order(int v, int w) { return 32 * v + w; }
+  explicit E4m3ToBf16(float factor = 1.0f, int (*code_of)(int, int) = &in_order) {
     alignas(64) uint8_t lo[128], hi[128], i0[64], i1[64];
     for (int c = 0; c < 128; ++c) {
-      const uint32_t bits = std::bit_cast<uint32_t>(tables().e4m3[c]) >> 16;
+      const uint32_t bits = std::bit_cast<uint32_t>(tables().e4m3[c] * factor) >> 16;  // exact; NaN stays NaN
       lo[c] = static_cast<uint8_t>(bits & 0xff);
       hi[c] = static_cast<uint8_t>(bits >> 8);
     }
-    for (int i = 0; i < 32; ++i) {
-      i0[2 * i] = static_cast<uint8_t>(i), i0[2 * i + 1] = static_cast<uint8_t>(64 + i);
-      i1[2 * i] = static_cast<uint8_t>(32 + i), i1[2 * i + 1] = static_cast<uint8_t>(96 + i);
+    for (int w = 0; w < 32; ++w) {
+      i0[2 * w] = static_cast<uint8_t>(code_of(0, w)), i0[2 * w + 1] = static_cast<uint8_t>(64 + code_of(0, w));
+      i1[2 * w] = static_cast<uint8_t>(code_of(1, w)), i1[2 * w + 1] = static_cast<uint8_t>(64 + code_of(1, w));
     }
     lo_a = _mm512_load_si512(lo), lo_b = _mm512_load_si512(lo + 64);
     hi_a = _mm512_load_si512(hi), hi_b = _mm512_load_si512(hi + 64);
@@ -284,38 +287,19 @@ __attribute__((target("avx512bw,avx512vbmi,gfni"))) inline int e4m3_row_by_affin
   return by_tables;
 }
 
-// A whole chunk by the tables alone (returns its block count, as below). Its own loop, with
-// the shift check per block as written here: built from e4m3_block_by_tables inside the
-// affine dispatcher, the same work ran slower on weights that take the tables (uniformly
-// random codes, masked decode 32 x 20 on a standalone timer: 80-88 against 72-80 ms for
-// this loop; it is the loop the decoder had before the affine path).
+// A whole chunk by the tables alone (returns its block count, as below), in a function of
+// its own: with this loop inside the affine dispatcher, weights that take the tables
+// (uniformly random codes, masked decode 32 x 20 on a standalone timer) ran 80-88 against
+// 72-80 ms.
 __attribute__((target("avx512vbmi"))) int e4m3_chunk_by_tables(const uint8_t* src, int64_t row_bytes, int rows,
                                                                const int16_t* shifts, uint32_t* out) {
   static const E4m3ToBf16 table;
   const E4m3ToBf16 t = table;  // (a local copy: the compiler keeps it in registers)
   constexpr int kGroups = kChunk / 32;
-  const __m512i magnitude = _mm512_set1_epi8(0x7f);
-  for (int r = 0; r < rows; ++r) {
-    auto* dst = reinterpret_cast<uint16_t*>(out + r * kChunkWords);
-    for (int i = 0; i < kChunk; i += 64) {
-      const __m512i x = _mm512_loadu_si512(src + r * row_bytes + i);
-      __m512i v0, v1;
-      e4m3_block(t, x, v0, v1);
-      if (shifts) {  // (as e4m3_block_by_tables)
-        const __m512i mag = _mm512_and_si512(x, magnitude);
-        const __mmask64 nan = _mm512_cmpeq_epi8_mask(mag, magnitude);
-        const __mmask64 scaled = _mm512_test_epi8_mask(x, magnitude) & ~nan;
-        const int16_t* sh = shifts + r * kGroups + i / 32;
-        const __m512i quiet_nan = _mm512_set1_epi16(0x7fc0);
-        v0 = _mm512_mask_add_epi16(v0, static_cast<__mmask32>(scaled), v0, _mm512_set1_epi16(sh[0]));
-        v1 = _mm512_mask_add_epi16(v1, static_cast<__mmask32>(scaled >> 32), v1, _mm512_set1_epi16(sh[1]));
-        v0 = _mm512_mask_mov_epi16(v0, static_cast<__mmask32>(nan), quiet_nan);
-        v1 = _mm512_mask_mov_epi16(v1, static_cast<__mmask32>(nan >> 32), quiet_nan);
-      }
-      _mm512_store_si512(dst + i, v0);
-      _mm512_store_si512(dst + i + 32, v1);
-    }
-  }
+  for (int r = 0; r < rows; ++r)
+    for (int i = 0; i < kChunk; i += 64)
+      e4m3_block_by_tables(t, _mm512_loadu_si512(src + r * row_bytes + i), shifts ? shifts + r * kGroups + i / 32 : nullptr,
+                           reinterpret_cast<uint16_t*>(out + r * kChunkWords) + i);
   return rows * static_cast<int>(kChunk / 64);
 }
 
