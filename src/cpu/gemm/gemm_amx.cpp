@@ -240,16 +240,33 @@ struct E4m3Affine {
       if (from[i] >= 0) m |= uint64_t{1} << (8 * (7 - i) + from[i]);
     return m;
   }
+  // The matrix whose output bit i is the parity of the input bits in masks[i].
+  static constexpr uint64_t matrix_of_masks(const uint8_t (&masks)[8]) {
+    uint64_t m = 0;
+    for (int i = 0; i < 8; ++i) m |= uint64_t{masks[i]} << (8 * (7 - i));
+    return m;
+  }
   static constexpr int kHighFrom[8] = {4, 5, 6, -1, -1, -1, -1, 7};  // eee (bits 6-4) -> 2-0, s -> 7
   static constexpr int kLowFrom[8] = {-1, -1, -1, -1, 0, 1, 2, 3};   // emmm (bits 3-0) -> 7-4
   static constexpr uint8_t kHighConstant = 0x40;                      // the exponent field's 128
   static constexpr int16_t kUnbias = -8 * 128;                        // 2^-8 in the exponent field
-  __m512i high, low, order;
+  // The codes this gets wrong, by one more affine transform and one compare (two adds and a
+  // compare before): y = P(code) keeps m in bits 2-0 xor e0, and maps e by an invertible
+  // matrix to bits 6-3, sending e = 15 to 0001. So y < 8 exactly where e = 0 (zero,
+  // subnormal), y = 8 exactly where e = 15 and m = 7 (NaN), and y > 8 elsewhere; the sign
+  // is not read. (Every code is checked in GemmAmx.StreamedE4m3WeightsEveryCode.)
+  static constexpr uint8_t kProbeMasks[8] = {0x09, 0x0a, 0x0c, 0x08, 0x18, 0x28, 0x48, 0x00};
+  __m512i high, low, order, probe;
   E4m3Affine()
       : high(_mm512_set1_epi64(static_cast<int64_t>(matrix(kHighFrom)))),
         low(_mm512_set1_epi64(static_cast<int64_t>(matrix(kLowFrom)))),
         // Quadwords 0 4 1 5 2 6 3 7: the in-lane byte unpacks then give codes 0-31 and 32-63.
-        order(_mm512_setr_epi64(0, 4, 1, 5, 2, 6, 3, 7)) {}
+        order(_mm512_setr_epi64(0, 4, 1, 5, 2, 6, 3, 7)),
+        probe(_mm512_set1_epi64(static_cast<int64_t>(matrix_of_masks(kProbeMasks)))) {}
+  // Whether any of 64 codes is a zero, subnormal or NaN.
+  __attribute__((target("avx512bw,gfni"))) bool any_special(__m512i x) const {
+    return _mm512_cmplt_epu8_mask(_mm512_gf2p8affine_epi64_epi8(x, probe, 0), _mm512_set1_epi8(9)) != 0;
+  }
 };
 
 // One row of a chunk (256 codes) as bf16, 64 codes at a time: by E4m3Affine, or where a
@@ -268,9 +285,7 @@ __attribute__((target("avx512bw,avx512vbmi,gfni"))) inline int e4m3_row_by_affin
   int by_tables = 0;
   for (int i = 0; i < kChunk; i += 64) {
     const __m512i x = _mm512_loadu_si512(src + i);
-    // 2|code| + 2, wrapping: at most 16 for e = 0 (zero, subnormal) and for NaN.
-    const __m512i probe = _mm512_add_epi8(_mm512_add_epi8(x, x), _mm512_set1_epi8(2));
-    if (_mm512_cmplt_epu8_mask(probe, _mm512_set1_epi8(17))) [[unlikely]] {
+    if (a.any_special(x)) [[unlikely]] {
       e4m3_block_by_tables(t, x, shifts ? shifts + i / 32 : nullptr, dst + i);
       ++by_tables;
       continue;
@@ -330,12 +345,13 @@ __attribute__((target("avx512bw,avx512vbmi,gfni"))) int e4m3_chunk_to_bf16(const
 
 // chunk_shifts for one scale per 32 stored contiguously (FP4's recipe): a row's 8 scales
 // at once, f32 or packed ue8m0 (byte g of the row is group g's exponent).
-__attribute__((target("avx512bw,avx512vl"))) bool chunk_shifts_per_32(const GemmOperand& op, int64_t i0, int rows,
-                                                                     int64_t k0, int lowest, int highest, int16_t* out) {
+__attribute__((target("avx512bw,avx512vl"))) bool chunk_shifts_per_32(const GemmOperand& op, const void* const* sf_rows,
+                                                                     int rows, int64_t k0, int lowest, int highest,
+                                                                     int16_t* out) {
   const __m256i bias = _mm256_set1_epi32(127), lo = _mm256_set1_epi32(lowest), hi = _mm256_set1_epi32(highest);
   const __m256i other_bits = _mm256_set1_epi32(static_cast<int>(0x807fffffu));
   for (int r = 0; r < rows; ++r) {
-    const void* sf_row = scale_row(op, i0 + r);
+    const void* sf_row = sf_rows[r];
     __m256i exponent, clean = _mm256_setzero_si256();
     if (op.sf_dtype == DType::f32) {
       // (the scales two chunks on, requested now: 32 rows' scales are 32 streams too, and
@@ -357,33 +373,49 @@ __attribute__((target("avx512bw,avx512vl"))) bool chunk_shifts_per_32(const Gemm
   return true;
 }
 
-// The bf16 exponent shifts (scale exponent x 128) of the scales of rows [i0, i0 + rows) for
-// the chunk's 32-wide K groups: out[r * 8 + g] (gran_k a multiple of 32). False when a
-// scale is not a power of two from 2^lowest to 2^highest: the caller then decodes the
-// chunk the general way.
-bool chunk_shifts(const GemmOperand& op, int64_t i0, int rows, int64_t k0, int lowest, int highest, int16_t* out) {
+// The bf16 exponent shifts (scale exponent x 128) of the scales of `rows` rows (their rows
+// of scales in sf_rows) for the chunk's 32-wide K groups: out[r * 8 + g] (gran_k a multiple
+// of 32). False when a scale is not a power of two from 2^lowest to 2^highest: the caller
+// then decodes the chunk the general way. (The callers find each row's scales once per
+// strip: with a division per row here, this function had been 15 % of 16 x 2048 x 7168
+// FP8 with ue8m0 scales on one thread.)
+bool chunk_shifts(const GemmOperand& op, const void* const* sf_rows, int rows, int64_t k0, int lowest, int highest,
+                  int16_t* out) {
   constexpr int kGroups = kChunk / 32;
-  if (op.gran_k == 32 && op.sf_stride_k == 1) return chunk_shifts_per_32(op, i0, rows, k0, lowest, highest, out);
+  if (op.gran_k == 32 && op.sf_stride_k == 1) return chunk_shifts_per_32(op, sf_rows, rows, k0, lowest, highest, out);
   int64_t group[kGroups];  // (gran_k a multiple of 32: one scale group per 32; the same for every row)
-  for (int g = 0; g < kGroups; ++g) group[g] = (k0 + g * 32) / op.gran_k;
+  group[0] = k0 / op.gran_k;
+  for (int g = 1, within = static_cast<int>(k0 % op.gran_k); g < kGroups; ++g) {
+    within += 32;
+    group[g] = group[g - 1] + (within == op.gran_k);
+    if (within == op.gran_k) within = 0;
+  }
+  // A row's shifts are formed once per row of scales (rows of one scale block, 128 x 128
+  // FP8 weights, share them) and stored from a copy held aside: copying each row from the
+  // one before made the rows a chain of store-to-load forwards.
+  static_assert(kGroups == 8);  // (one row's shifts: a 16-byte vector)
+  int16_t shifts[kGroups];
+  __m128i held = _mm_setzero_si128();
   const void* previous = nullptr;
   for (int r = 0; r < rows; ++r) {
-    const void* sf_row = scale_row(op, i0 + r);
-    if (sf_row == previous) {  // (rows of one scale block: 128 x 128 FP8 weights)
-      std::memcpy(out + r * kGroups, out + (r - 1) * kGroups, sizeof(int16_t) * kGroups);
-      continue;
-    }
-    previous = sf_row;
-    for (int g = 0; g < kGroups; ++g) {
-      if (g > 0 && group[g] == group[g - 1]) {
-        out[r * kGroups + g] = out[r * kGroups + g - 1];
-        continue;
+    const void* sf_row = sf_rows[r];
+    if (sf_row != previous) {
+      previous = sf_row;
+      for (int g = 0; g < kGroups; ++g) {
+        if (g > 0 && group[g] == group[g - 1]) {
+          shifts[g] = shifts[g - 1];
+          continue;
+        }
+        const uint32_t bits = std::bit_cast<uint32_t>(group_scale(op, sf_row, group[g]));
+        const int32_t exponent = static_cast<int32_t>((bits >> 23) & 0xff) - 127;
+        if ((bits & 0x807fffffu) != 0 || exponent < lowest || exponent > highest) return false;
+        shifts[g] = static_cast<int16_t>(exponent * 128);
       }
-      const uint32_t bits = std::bit_cast<uint32_t>(group_scale(op, sf_row, group[g]));
-      const int32_t exponent = static_cast<int32_t>((bits >> 23) & 0xff) - 127;
-      if ((bits & 0x807fffffu) != 0 || exponent < lowest || exponent > highest) return false;
-      out[r * kGroups + g] = static_cast<int16_t>(exponent * 128);
+      // (set from values, not loaded back from the array: a load right after those stores
+      // waits for them)
+      held = _mm_setr_epi16(shifts[0], shifts[1], shifts[2], shifts[3], shifts[4], shifts[5], shifts[6], shifts[7]);
     }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + r * kGroups), held);
   }
   return true;
 }
@@ -805,7 +837,10 @@ class StripSource {
         raw_e4m3_(b.dtype == DType::e4m3 && (!b.sf || b.promote) && cpu_features().avx512vbmi),
         folded_e4m3_(b.dtype == DType::e4m3 && b.sf && !b.promote && b.gran_k % 32 == 0 && cpu_features().avx512vbmi),
         folded_e2m1_(b.dtype == DType::e2m1x2 && b.sf && !b.promote && b.gran_k % 32 == 0),
-        affine_(cpu_features().gfni) {}
+        affine_(cpu_features().gfni) {
+    if (folded_e4m3_ || folded_e2m1_)
+      for (int r = 0; r < rows; ++r) sf_rows_[r] = scale_row(b, j0 + r);
+  }
 
   // Chunk [k0, k0 + kChunk) as A tiles: where they are (plain bf16 rows in place) or
   // decoded into `words` (rows past the strip's stay as they are: a 16-row strip loads
@@ -832,8 +867,8 @@ class StripSource {
     if (raw_e4m3_) return true;
     // e4m3 values run from 2^-9 to 1.75 · 2^8: scaled by 2^-100 .. 2^119 they stay bf16
     // normals; e2m1 values (0.5 to 6) up to 2^120.
-    if (folded_e4m3_) return chunk_shifts(b_, j0_, rows_, k0, -100, 119, shifts.values);
-    if (folded_e2m1_) return chunk_shifts(b_, j0_, rows_, k0, -100, 120, shifts.values);
+    if (folded_e4m3_) return chunk_shifts(b_, sf_rows_, rows_, k0, -100, 119, shifts.values);
+    if (folded_e2m1_) return chunk_shifts(b_, sf_rows_, rows_, k0, -100, 120, shifts.values);
     return false;
   }
   // Rows [r0, r1) of chunk k0, as chunk() lays them out (rowwise(k0, shifts) must hold).
@@ -877,6 +912,7 @@ class StripSource {
   const uint8_t* first_row_;
   bool raw_e4m3_, folded_e4m3_, folded_e2m1_;
   bool affine_;  // e4m3 rows by E4m3Affine (GFNI)
+  const void* sf_rows_[kMr] = {};  // (folded: each row's scales)
   mutable int tabled_calls_ = 0, skipped_ = 0;  // (decode_rows: calls mostly by tables, calls skipped)
 };
 
@@ -895,6 +931,9 @@ void stream_strip(const Stream& st, int64_t j0, int rows, float* acc) {
   const void* sf_rows[kMr] = {};
   if (b.promote)
     for (int r = 0; r < rows; ++r) sf_rows[r] = scale_row(b, j0 + r);
+  // Rows of one row of scales (128 x 128 FP8 weights: every strip) take one lookup per group.
+  const bool one_scale_row = b.promote && sf_rows[0] == sf_rows[rows - 1];
+  for (int r = 0; r < st.strip; ++r) sb[r] = b.promote && r >= rows ? 0.0f : 1.0f;
   if (st.promoted) std::memset(acc, 0, sizeof(float) * kMr * kNr);
   zero_c();
   int64_t group = 0;  // promotion groups finished
@@ -914,7 +953,8 @@ void stream_strip(const Stream& st, int64_t j0, int rows, float* acc) {
     const uint8_t* x = st.narrow_tiles ? st.narrow_tiles + first * kTileBytes
                                        : panel_steps(st.act + (k0 / kKc) * panel_floats(kKc, kMr)) + (k0 % kKc) / kStep * 2 * kTileBytes;
     for (int64_t s = 0; s < n;) {
-      int64_t end = st.promoted ? std::min(n, (group + 1) * st.group_steps - first) : n;
+      const int64_t group_end = (group + 1) * st.group_steps;  // (a step of K; no division per step)
+      int64_t end = st.promoted ? std::min(n, group_end - first) : n;
       if (interleave) {
         end = s + 1;
         const int r0 = std::min(rows, static_cast<int>(s) * per_step), r1 = std::min(rows, r0 + per_step);
@@ -922,10 +962,14 @@ void stream_strip(const Stream& st, int64_t j0, int rows, float* acc) {
       }
       run_steps_streamed(st, group & 1, w, stride, x, s, end);
       s = end;
-      if (st.promoted && ((first + s) % st.group_steps == 0 || first + s == steps)) {
+      if (st.promoted && (first + s == group_end || first + s == steps)) {
         take_sums(st, group & 1, part);
-        const int64_t g = group * st.group_steps * kStep / std::max<int64_t>(b.gran_k, 1);
-        for (int r = 0; r < st.strip; ++r) sb[r] = !b.promote ? 1.0f : r < rows ? group_scale(b, sf_rows[r], g) : 0.0f;
+        if (b.promote) {
+          const int64_t g = group * st.group_steps * kStep / b.gran_k;
+          if (one_scale_row) std::fill(sb, sb + rows, group_scale(b, sf_rows[0], g));
+          else
+            for (int r = 0; r < rows; ++r) sb[r] = group_scale(b, sf_rows[r], g);
+        }
         promote_strip(part, st.sa + group * kMr, sb, st.strip, st.shape != StreamShape::narrow, acc);
         ++group;
       }
