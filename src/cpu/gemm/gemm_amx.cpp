@@ -916,6 +916,11 @@ class StripSource {
   mutable int tabled_calls_ = 0, skipped_ = 0;  // (decode_rows: calls mostly by tables, calls skipped)
 };
 
+// Whether rows' scales are all one row of scales (rows of one scale block).
+bool same_scale_row(const void* const* sf_rows, int rows) {
+  return std::all_of(sf_rows, sf_rows + rows, [&](const void* r) { return r == sf_rows[0]; });
+}
+
 // Weight rows [j0, j0 + rows) against every row of A, all of K: acc[n * 32 + m].
 // Software-pipelined: chunk c + 1 is decoded before (or, raw e4m3, a few rows before each
 // step of) the products of chunk c, so the tile loads read words stored well before them
@@ -932,7 +937,7 @@ void stream_strip(const Stream& st, int64_t j0, int rows, float* acc) {
   if (b.promote)
     for (int r = 0; r < rows; ++r) sf_rows[r] = scale_row(b, j0 + r);
   // Rows of one row of scales (128 x 128 FP8 weights: every strip) take one lookup per group.
-  const bool one_scale_row = b.promote && sf_rows[0] == sf_rows[rows - 1];
+  const bool one_scale_row = b.promote && same_scale_row(sf_rows, rows);
   for (int r = 0; r < st.strip; ++r) sb[r] = b.promote && r >= rows ? 0.0f : 1.0f;
   if (st.promoted) std::memset(acc, 0, sizeof(float) * kMr * kNr);
   zero_c();
