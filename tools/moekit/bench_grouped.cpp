@@ -35,9 +35,9 @@ void sgemm_nt(const float* a, const float* b, float* d, int64_t m, int64_t n, in
 }
 
 // Deterministic random bytes (one LCG stream per 4 KiB, so threads split the work freely);
-// keep(c) maps a byte to the code stored.
-template <class Keep>
-void fill_random_codes(const Tensor& t, uint64_t seed, Keep keep) {
+// code(bits) maps 64 random bits (use the high ones) to the byte stored.
+template <class Code>
+void fill_random_bits(const Tensor& t, uint64_t seed, Code code) {
   auto* v = t.data_ptr<uint8_t>();
   const int64_t total = t.numel();
 #pragma omp parallel for schedule(static)
@@ -45,16 +45,42 @@ void fill_random_codes(const Tensor& t, uint64_t seed, Keep keep) {
     uint64_t s = seed * 0x9e3779b97f4a7c15ull + static_cast<uint64_t>(i);
     for (int64_t j = i; j < std::min(total, i + 4096); ++j) {
       s = s * 6364136223846793005ull + 1442695040888963407ull;
-      v[j] = keep(static_cast<uint8_t>(s >> 56));
+      v[j] = code(s);
     }
   }
 }
 
+// The e4m3 codes of Gaussian weights cast per 128 x 128 block (as upstream's tests make
+// them), as a table from 16 random bits to a code: a real cast of 128 x 8192 values, its
+// codes counted and laid out over the 65536 entries in code order. Zeros and subnormals
+// come out as rarely as in cast weights (uniformly random bytes would make 1 code in 16 one
+// of them, and a decoder that handles them apart then runs its slow path in every block).
+const std::vector<uint8_t>& gaussian_e4m3_codes() {
+  static const std::vector<uint8_t> table = [] {
+    const Quantized q = per_block_cast_to_fp8(random_bf16(128, 8192, 11), false);
+    std::vector<double> count(256, 0.0);
+    const auto* codes = q.values.data_ptr<uint8_t>();
+    for (int64_t i = 0; i < q.values.numel(); ++i) count[codes[i]] += 1.0;
+    std::vector<uint8_t> t(65536);
+    double below = 0.0;  // values counted before code c
+    for (int c = 0; c < 256; ++c) {
+      const auto first = static_cast<size_t>(std::llround(below / static_cast<double>(q.values.numel()) * 65536.0));
+      below += count[static_cast<size_t>(c)];
+      const auto last = static_cast<size_t>(std::llround(below / static_cast<double>(q.values.numel()) * 65536.0));
+      std::fill(t.begin() + static_cast<std::ptrdiff_t>(first), t.begin() + static_cast<std::ptrdiff_t>(last), static_cast<uint8_t>(c));
+    }
+    return t;
+  }();
+  return table;
+}
+
 // Random FP8 weights [G, N, K] with 128x128 block scales, made directly (no quantisation
-// pass: these sizes run to gigabytes). Codes avoid NaN.
+// pass: these sizes run to gigabytes): codes drawn as Gaussian weights cast give them
+// (gaussian_e4m3_codes), so never NaN.
 Quantized random_fp8_weights(int64_t groups, int64_t n, int64_t k, uint64_t seed) {
   Quantized q{Tensor::empty({groups, n, k}, DType::e4m3), Tensor::empty({groups, (n + 127) / 128, (k + 127) / 128}, DType::f32)};
-  fill_random_codes(q.values, seed, [](uint8_t c) { return (c & 0x7f) == 0x7f ? static_cast<uint8_t>(c - 1) : c; });
+  const std::vector<uint8_t>& codes = gaussian_e4m3_codes();
+  fill_random_bits(q.values, seed, [&](uint64_t bits) { return codes[bits >> 48]; });
   for (int64_t i = 0; i < q.sf.numel(); ++i) q.sf.data_ptr<float>()[i] = 1.0f / 256.0f;
   return q;
 }
@@ -63,7 +89,7 @@ Quantized random_fp8_weights(int64_t groups, int64_t n, int64_t k, uint64_t seed
 // (ue8m0-representable) scales per 32 columns, the (1, 1, 32) recipe.
 Quantized random_fp4_weights(int64_t groups, int64_t n, int64_t k, uint64_t seed) {
   Quantized q{Tensor::empty({groups, n, k / 2}, DType::e2m1x2), Tensor::empty({groups, n, (k + 31) / 32}, DType::f32)};
-  fill_random_codes(q.values, seed, [](uint8_t c) { return c; });
+  fill_random_bits(q.values, seed, [](uint64_t bits) { return static_cast<uint8_t>(bits >> 56); });
   for (int64_t i = 0; i < q.sf.numel(); ++i) q.sf.data_ptr<float>()[i] = i % 3 == 0 ? 1.0f / 64.0f : 1.0f / 32.0f;
   return q;
 }
