@@ -561,9 +561,41 @@ void pack_mn_major_bf16_b(const GemmOperand& op, int64_t mn0, int64_t count, int
   }
 }
 
+// A panels of an MN-major plain bf16 operand, the same way: each step's 32 stored rows are
+// read front to back across every panel of the call, each panel's 16 pairs x 32 words go to
+// a block of its own, and the block is transposed into the step's two A tiles (K-grouped 4
+// x 4096 x 7168 x 512: A, re-packed for every column block, had been a ninth of the call).
+void pack_mn_major_bf16_a(const GemmOperand& op, int64_t mn0, int64_t count, int64_t k0, int64_t kc, float* out) {
+  const int64_t steps = step_count(kc), panels = (count + kMr - 1) / kMr;
+  static thread_local Scratch scratch;
+  auto* blocks = reinterpret_cast<uint32_t*>(scratch.get(static_cast<size_t>(panels * 16 * kMr)));  // [panel][pair][word]
+  for (int64_t q = 0; q < panels; ++q) *reinterpret_cast<PanelHeader*>(out + q * panel_floats(kc, kMr)) = PanelHeader{};
+  for (int64_t s = 0; s < steps; ++s) {
+    for (int p = 0; p < 16; ++p) {
+      const int64_t k = 32 * s + 2 * p;  // (within the block)
+      const uint8_t* lo_row = k < kc ? op.data + ((k0 + k) * op.ld + mn0) * 2 : nullptr;
+      const uint8_t* hi_row = k + 1 < kc ? op.data + ((k0 + k + 1) * op.ld + mn0) * 2 : nullptr;
+      for (int64_t q = 0; q < panels; ++q) {
+        const int64_t rows = std::min<int64_t>(kMr, count - q * kMr);
+        const __mmask32 valid = rows >= 32 ? ~__mmask32{0} : (__mmask32{1} << rows) - 1;
+        const __m512i lo = lo_row ? _mm512_maskz_loadu_epi16(valid, lo_row + q * kMr * 2) : _mm512_setzero_si512();
+        const __m512i hi = hi_row ? _mm512_maskz_loadu_epi16(valid, hi_row + q * kMr * 2) : _mm512_setzero_si512();
+        interleave_pair(lo, hi, blocks + (q * 16 + p) * kMr);
+      }
+    }
+    for (int64_t q = 0; q < panels; ++q) {
+      const auto* block = reinterpret_cast<const uint8_t*>(blocks + q * 16 * kMr);
+      uint8_t* tiles = reinterpret_cast<uint8_t*>(out + q * panel_floats(kc, kMr) + kHeaderFloats) + s * 2 * kTileBytes;
+      transpose16(block, kMr * 4, reinterpret_cast<uint32_t*>(tiles));
+      transpose16(block + 64, kMr * 4, reinterpret_cast<uint32_t*>(tiles + kTileBytes));
+    }
+  }
+}
+
 template <bool kB>
 void pack_panels(const GemmOperand& op, int64_t mn0, int64_t count, int64_t k0, int64_t kc, float* out) {
-  if (kB && plain_bf16(op) && !op.k_major) return pack_mn_major_bf16_b(op, mn0, count, k0, kc, out);
+  if (plain_bf16(op) && !op.k_major)
+    return kB ? pack_mn_major_bf16_b(op, mn0, count, k0, kc, out) : pack_mn_major_bf16_a(op, mn0, count, k0, kc, out);
   alignas(64) static thread_local uint32_t words[kMr * kMaxWords];
   const int64_t steps = step_count(kc), ldw = steps * (kStep / 2);
   for (int64_t p0 = 0; p0 < count; p0 += kMr) {
