@@ -1049,6 +1049,11 @@ void stream_strip(const Stream& st, int64_t j0, int rows, float* acc) {
 // out[m, j - n0] = Σ_k a[m, k] · b[j, k] for m < a.mn (at most kStreamM), j in [n0, n1); B
 // K-major. A is packed once per call.
 void stream_small_m(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t n1, float* out, int64_t ld_out) {
+  if (fp4_dot_takes(a, b)) return fp4_dot_small_m(a, b, n0, n1, out, ld_out);
+  return stream_small_m_tiles(a, b, n0, n1, out, ld_out);
+}
+
+void stream_small_m_tiles(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t n1, float* out, int64_t ld_out) {
   // One or two rows of A use a sixteenth or an eighth of each product: against e4m3
   // weights they take bf16 dot products on weights decoded in registers (dot_row_amx.inc);
   // one row against bf16 weights the FMA kernel, which decodes B straight into registers
