@@ -110,19 +110,14 @@ inline void interleave_pair(__m512i lo, __m512i hi, uint32_t* pairs) {
   _mm512_storeu_si512(pairs + 16, _mm512_permutex2var_epi16(lo, second, hi));
 }
 
-// Rows [i0, i0 + rows) x K [k0, k0 + kc) of an MN-major bf16 operand (stored row k holds the
-// rows side by side) as pair-major words: pairs[p * 32 + r], zero past the operand and up
-// to whole steps.
-void load_pairs(const GemmOperand& op, int64_t i0, int rows, int64_t k0, int64_t kc, uint32_t* pairs) {
-  const __mmask32 valid = rows >= 32 ? ~__mmask32{0} : (__mmask32{1} << rows) - 1;
-  const int64_t words = step_count(kc) * (kStep / 2);
-  for (int64_t p = 0; p < words; ++p) {
-    const int64_t k = k0 + 2 * p;
-    const __m512i lo = 2 * p < kc ? _mm512_maskz_loadu_epi16(valid, op.data + (k * op.ld + i0) * 2) : _mm512_setzero_si512();
-    const __m512i hi = 2 * p + 1 < kc ? _mm512_maskz_loadu_epi16(valid, op.data + ((k + 1) * op.ld + i0) * 2)
-                                      : _mm512_setzero_si512();
-    interleave_pair(lo, hi, pairs + p * kMr);
-  }
+// Pair p of an MN-major bf16 operand's panel q (stored rows k and k + 1 hold the operand's
+// rows side by side; `lo` and `hi` point at their column mn0, null past K): the panel's 32
+// columns of both (zero past `count` columns from mn0) as 32 words lo | hi << 16.
+inline void panel_pair(const uint8_t* lo, const uint8_t* hi, int64_t q, int64_t count, uint32_t* pairs) {
+  const int64_t cols = std::min<int64_t>(kMr, count - q * kMr);
+  const __mmask32 valid = cols >= 32 ? ~__mmask32{0} : (__mmask32{1} << cols) - 1;
+  interleave_pair(lo ? _mm512_maskz_loadu_epi16(valid, lo + q * kMr * 2) : _mm512_setzero_si512(),
+                  hi ? _mm512_maskz_loadu_epi16(valid, hi + q * kMr * 2) : _mm512_setzero_si512(), pairs);
 }
 
 // The high halves of n f32 values (n a multiple of 32) as bf16: exact for the values the
@@ -479,7 +474,8 @@ void decode_words(const GemmOperand& src, int64_t i0, int rows, int64_t k0, int6
 }
 
 // MN-major: through the avx512 pack's f32 micro-panels (panel[kk * 32 + r], zero past the
-// rows), at most kGemmKc deep at a time, as load_pairs lays them out.
+// rows), at most kGemmKc deep at a time, as pair-major words: pairs[p * 32 + r], zero past
+// the operand and up to whole steps.
 void decode_pairs(const GemmOperand& src, int64_t i0, int rows, int64_t k0, int64_t kc, uint32_t* pairs) {
   const GemmOperand op = values_to_pack(src);
   alignas(64) static thread_local float panel[(kGemmKc + kStep) * kMr];
@@ -547,12 +543,8 @@ void pack_mn_major_bf16_b(const GemmOperand& op, int64_t mn0, int64_t count, int
     const uint8_t* lo_row = 2 * p < kc ? op.data + ((k0 + 2 * p) * op.ld + mn0) * 2 : nullptr;
     const uint8_t* hi_row = 2 * p + 1 < kc ? op.data + ((k0 + 2 * p + 1) * op.ld + mn0) * 2 : nullptr;
     for (int64_t q = 0; q < panels; ++q) {
-      const int64_t cols = std::min<int64_t>(kMr, count - q * kMr);
-      const __mmask32 valid = cols >= 32 ? ~__mmask32{0} : (__mmask32{1} << cols) - 1;
-      const __m512i lo = lo_row ? _mm512_maskz_loadu_epi16(valid, lo_row + q * kMr * 2) : _mm512_setzero_si512();
-      const __m512i hi = hi_row ? _mm512_maskz_loadu_epi16(valid, hi_row + q * kMr * 2) : _mm512_setzero_si512();
       alignas(64) uint32_t pairs[kMr];
-      interleave_pair(lo, hi, pairs);
+      panel_pair(lo_row, hi_row, q, count, pairs);
       uint8_t* tiles = reinterpret_cast<uint8_t*>(out + q * panel_floats(kc, kMr) + kHeaderFloats) +
                        (p / 16) * 2 * kTileBytes + (p % 16) * 64;
       std::memcpy(tiles, pairs, 64);
@@ -575,13 +567,7 @@ void pack_mn_major_bf16_a(const GemmOperand& op, int64_t mn0, int64_t count, int
       const int64_t k = 32 * s + 2 * p;  // (within the block)
       const uint8_t* lo_row = k < kc ? op.data + ((k0 + k) * op.ld + mn0) * 2 : nullptr;
       const uint8_t* hi_row = k + 1 < kc ? op.data + ((k0 + k + 1) * op.ld + mn0) * 2 : nullptr;
-      for (int64_t q = 0; q < panels; ++q) {
-        const int64_t rows = std::min<int64_t>(kMr, count - q * kMr);
-        const __mmask32 valid = rows >= 32 ? ~__mmask32{0} : (__mmask32{1} << rows) - 1;
-        const __m512i lo = lo_row ? _mm512_maskz_loadu_epi16(valid, lo_row + q * kMr * 2) : _mm512_setzero_si512();
-        const __m512i hi = hi_row ? _mm512_maskz_loadu_epi16(valid, hi_row + q * kMr * 2) : _mm512_setzero_si512();
-        interleave_pair(lo, hi, blocks + (q * 16 + p) * kMr);
-      }
+      for (int64_t q = 0; q < panels; ++q) panel_pair(lo_row, hi_row, q, count, blocks + (q * 16 + p) * kMr);
     }
     for (int64_t q = 0; q < panels; ++q) {
       const auto* block = reinterpret_cast<const uint8_t*>(blocks + q * 16 * kMr);
@@ -625,8 +611,7 @@ void pack_panels(const GemmOperand& op, int64_t mn0, int64_t count, int64_t k0, 
       else decode_words(op, mn0 + p0, rows, k0, kc, words, ldw);
       base = reinterpret_cast<const uint8_t*>(words), row = ldw * 4, step = 64, half = 16 * row;
     } else {
-      if (plain_bf16(op)) load_pairs(op, mn0 + p0, rows, k0, kc, words);
-      else decode_pairs(op, mn0 + p0, rows, k0, kc, words);
+      decode_pairs(op, mn0 + p0, rows, k0, kc, words);  // (plain bf16 took pack_mn_major_bf16_*)
       base = reinterpret_cast<const uint8_t*>(words), row = kMr * 4, step = 16 * row, half = 64;
     }
     const bool transpose = kB == op.k_major;
