@@ -828,52 +828,60 @@ TEST(GemmAmx, OneOrTwoRowsOfE4m3WeightsMatchOracle) {
         }
 }
 
-// One row of A against FP4 weights with foldable (power-of-two) scales takes the FP4 dot
-// path (dot_row_amx.inc): every pair of codes, f32 and packed ue8m0 scales, K tails, rows
-// before and after a pass boundary, and passes holding a scale the table cannot take
-// (2^121, zero, NaN), which go to the tiles; 1 and 2 threads bit for bit.
-TEST(GemmAmx, OneRowOfE2m1WeightsMatchesOracle) {
+// One or two rows of A against FP4 weights with foldable (power-of-two) scales take the
+// FP4 dot path (dot_row_amx.inc): every pair of codes, f32 and packed ue8m0 scales, K
+// tails, rows before and after a pass boundary, and passes holding a scale the table cannot
+// take (2^121, zero, NaN), which go to the tiles; 1 and 2 threads bit for bit.
+TEST(GemmAmx, OneOrTwoRowsOfE2m1WeightsMatchOracle) {
   if (!isa_supported(Isa::amx)) GTEST_SKIP() << "no AMX-BF16 (or not granted) on this CPU";
   ScopedIsa amx(Isa::amx);
   ThreadGuard guard;
   uint64_t seed = 9900;
-  for (const int64_t k : {64, 100, 1000, 2400})
-    for (const int64_t n : {1, 13, 1100})
-      for (const bool packed : {false, true}) {
-        SCOPED_TRACE(std::string(packed ? "packed ue8m0" : "f32") + " scales, k " + std::to_string(k) + ", n " + std::to_string(n));
-        const Quantized qa = per_token_cast_to_fp8(random_bf16(1, k, seed++), true, 32);
-        Quantized qb = per_token_cast_to_fp4(random_bf16(n, k, seed++), true, 32);
-        uint8_t* codes = qb.values.data_ptr<uint8_t>();
-        const int64_t row_bytes = qb.values.size(1), groups = qb.sf.size(1);
-        for (int64_t r = 0; r < n; r += 2)  // every other row: every pair of codes in turn
-          for (int64_t j = 0; j < row_bytes; ++j) codes[r * row_bytes + j] = static_cast<uint8_t>((j * 37 + r * 11) % 256);
-        float* sf = qb.sf.data_ptr<float>();
-        if (n > 12) {
-          sf[9 * groups + groups - 1] = 0x1p121f;  // beyond the table's shifts: the pass goes to the tiles
-          if (!packed) sf[3 * groups] = 0.0f;      // zero: the same (packed ue8m0 has no zero)
+  for (const int64_t m : {1, 2})
+    for (const int64_t k : {64, 100, 1000, 2400})
+      for (const int64_t n : {1, 13, 1100})
+        for (const bool packed : {false, true}) {
+          SCOPED_TRACE(std::string(packed ? "packed ue8m0" : "f32") + " scales, m " + std::to_string(m) + ", k " +
+                       std::to_string(k) + ", n " + std::to_string(n));
+          const Quantized qa = per_token_cast_to_fp8(random_bf16(m, k, seed++), true, 32);
+          Quantized qb = per_token_cast_to_fp4(random_bf16(n, k, seed++), true, 32);
+          uint8_t* codes = qb.values.data_ptr<uint8_t>();
+          const int64_t row_bytes = qb.values.size(1), groups = qb.sf.size(1);
+          for (int64_t r = 0; r < n; r += 2)  // every other row: every pair of codes in turn
+            for (int64_t j = 0; j < row_bytes; ++j) codes[r * row_bytes + j] = static_cast<uint8_t>((j * 37 + r * 11) % 256);
+          float* sf = qb.sf.data_ptr<float>();
+          if (n > 12) {
+            sf[9 * groups + groups - 1] = 0x1p121f;  // beyond the table's shifts: the pass goes to the tiles
+            if (!packed) sf[3 * groups] = 0.0f;      // zero: the same (packed ue8m0 has no zero)
+          }
+          GemmOptions o;
+          o.recipe = Recipe{1, 1, 32};
+          const Quantized b = packed ? Quantized{qb.values, pack_ue8m0_to_int(qb.sf)} : qb;
+          Tensor one = Tensor::empty({m, n}, DType::f32), two = Tensor::empty({m, n}, DType::f32);
+          set_num_threads(1);
+          fp8_fp4_gemm_nt(qa, b, one, Tensor(), o);
+          set_num_threads(2);
+          fp8_fp4_gemm_nt(qa, b, two, Tensor(), o);
+          EXPECT_EQ(0, std::memcmp(one.data(), two.data(), m * n * 4));
+          const ref::Operand ra{qa.values, qa.sf, 1, 32}, rb{qb.values, qb.sf, 1, 32};
+          const std::vector<double> want = ref::gemm(Layout::nt, ra, rb);
+          EXPECT_LE(ref::calc_diff(ref::to_f64(one), want), 1e-5);
+          // Element-wise too (calc_diff is dominated by the 2^121 column), within the bound for
+          // f32 sums of k terms: 2k · 2^-24 · Σ|a·b|.
+          const std::vector<double> abs_dot = ref::gemm(Layout::nt, abs_operand(ra), abs_operand(rb));
+          for (int64_t i = 0; i < m * n; ++i) {
+            const auto e = static_cast<size_t>(i);
+            EXPECT_NEAR(one.data_ptr<float>()[i], want[e], 2.0 * static_cast<double>(k) * 0x1p-24 * abs_dot[e] + 1e-30)
+                << "element " << i;
+          }
+          if (n < 13) continue;
+          // A NaN scale (ue8m0 255): NaN in that column alone.
+          if (packed) b.sf.data_ptr<uint8_t>()[7 * b.sf.size(1) * 4] = 0xff;
+          else sf[7 * groups] = std::numeric_limits<float>::quiet_NaN();
+          fp8_fp4_gemm_nt(qa, b, one, Tensor(), o);
+          for (int64_t i = 0; i < m; ++i)
+            for (int64_t j = 0; j < n; ++j) EXPECT_EQ(std::isnan(one.data_ptr<float>()[i * n + j]), j == 7) << "row " << i << ", column " << j;
         }
-        GemmOptions o;
-        o.recipe = Recipe{1, 1, 32};
-        const Quantized b = packed ? Quantized{qb.values, pack_ue8m0_to_int(qb.sf)} : qb;
-        Tensor one = Tensor::empty({1, n}, DType::f32), two = Tensor::empty({1, n}, DType::f32);
-        set_num_threads(1);
-        fp8_fp4_gemm_nt(qa, b, one, Tensor(), o);
-        set_num_threads(2);
-        fp8_fp4_gemm_nt(qa, b, two, Tensor(), o);
-        EXPECT_EQ(0, std::memcmp(one.data(), two.data(), n * 4));
-        const std::vector<double> want = ref::gemm(Layout::nt, {qa.values, qa.sf, 1, 32}, {qb.values, qb.sf, 1, 32});
-        EXPECT_LE(ref::calc_diff(ref::to_f64(one), want), 1e-5);
-        for (int64_t j = 0; j < n; ++j) {  // (calc_diff is dominated by the 2^121 row)
-          const double w = want[static_cast<size_t>(j)];
-          EXPECT_NEAR(one.data_ptr<float>()[j], w, 1e-5 * std::abs(w) + 1e-5) << "column " << j;
-        }
-        if (n < 13) continue;
-        // A NaN scale (ue8m0 255): NaN in that column alone.
-        if (packed) b.sf.data_ptr<uint8_t>()[7 * b.sf.size(1) * 4] = 0xff;
-        else sf[7 * groups] = std::numeric_limits<float>::quiet_NaN();
-        fp8_fp4_gemm_nt(qa, b, one, Tensor(), o);
-        for (int64_t j = 0; j < n; ++j) EXPECT_EQ(std::isnan(one.data_ptr<float>()[j]), j == 7) << "column " << j;
-      }
 }
 
 TEST(GemmPacked, BadInputRaisesNamedErrors) {
