@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <string>
 #include <tuple>
@@ -773,6 +774,18 @@ TEST(GemmAmx, StreamedE4m3WeightsEveryCode) {
 // 4 weight rows per pass); f32 and ue8m0 scales in 128 x 128 blocks and 1 x 32 groups (two
 // groups per block). The same bits on one and two threads (1100 x 1000 weights are enough
 // for two), and a NaN code poisons its own column only.
+// An f32 D of `shape` from `call` on one thread, checked bit for bit against the same call
+// on two threads (the thread count is left at two).
+Tensor on_one_and_two_threads(const std::vector<int64_t>& shape, const std::function<void(const Tensor&)>& call) {
+  Tensor one = Tensor::empty(shape, DType::f32), two = Tensor::empty(shape, DType::f32);
+  set_num_threads(1);
+  call(one);
+  set_num_threads(2);
+  call(two);
+  EXPECT_EQ(0, std::memcmp(one.data(), two.data(), static_cast<size_t>(one.numel()) * 4)) << "1 vs 2 threads";
+  return one;
+}
+
 TEST(GemmAmx, OneOrTwoRowsOfE4m3WeightsMatchOracle) {
   if (!isa_supported(Isa::amx)) GTEST_SKIP() << "no AMX-BF16 (or not granted) on this CPU";
   ScopedIsa amx(Isa::amx);
@@ -805,12 +818,7 @@ TEST(GemmAmx, OneOrTwoRowsOfE4m3WeightsMatchOracle) {
             }
           GemmOptions o;
           o.recipe = Recipe{1, cf.gran_mn, cf.gran_k};
-          Tensor one = Tensor::empty({m, n}, DType::f32), two = Tensor::empty({m, n}, DType::f32);
-          set_num_threads(1);
-          fp8_fp4_gemm_nt(qa, qb, one, Tensor(), o);
-          set_num_threads(2);
-          fp8_fp4_gemm_nt(qa, qb, two, Tensor(), o);
-          EXPECT_EQ(0, std::memcmp(one.data(), two.data(), m * n * 4));
+          Tensor one = on_one_and_two_threads({m, n}, [&](const Tensor& d) { fp8_fp4_gemm_nt(qa, qb, d, Tensor(), o); });
           const std::vector<double> want =
               ref::gemm(Layout::nt, {qa.values, qa.sf, 1, cf.gran_k}, {qb.values, qb.sf, cf.gran_mn, cf.gran_k});
           EXPECT_LE(ref::calc_diff(ref::to_f64(one), want), 1e-5);
@@ -857,12 +865,7 @@ TEST(GemmAmx, OneOrTwoRowsOfE2m1WeightsMatchOracle) {
           GemmOptions o;
           o.recipe = Recipe{1, 1, 32};
           const Quantized b = packed ? Quantized{qb.values, pack_ue8m0_to_int(qb.sf)} : qb;
-          Tensor one = Tensor::empty({m, n}, DType::f32), two = Tensor::empty({m, n}, DType::f32);
-          set_num_threads(1);
-          fp8_fp4_gemm_nt(qa, b, one, Tensor(), o);
-          set_num_threads(2);
-          fp8_fp4_gemm_nt(qa, b, two, Tensor(), o);
-          EXPECT_EQ(0, std::memcmp(one.data(), two.data(), m * n * 4));
+          Tensor one = on_one_and_two_threads({m, n}, [&](const Tensor& d) { fp8_fp4_gemm_nt(qa, b, d, Tensor(), o); });
           const ref::Operand ra{qa.values, qa.sf, 1, 32}, rb{qb.values, qb.sf, 1, 32};
           const std::vector<double> want = ref::gemm(Layout::nt, ra, rb);
           EXPECT_LE(ref::calc_diff(ref::to_f64(one), want), 1e-5);

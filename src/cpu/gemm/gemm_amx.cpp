@@ -227,19 +227,18 @@ __attribute__((target("avx512vbmi"))) inline void e4m3_block_by_tables(const E4m
 // normals in, bf16 normals out: exact). Zeros, subnormals (e = 0) and NaN codes do not
 // follow that pattern; a block of 64 codes holding one goes through the tables instead.
 struct E4m3Affine {
-  // The matrix whose output bit i is input bit from[i] (-1: zero). (Byte 7 - i of the
-  // qword selects the input bits that output bit i sums.)
-  static constexpr uint64_t matrix(const int (&from)[8]) {
-    uint64_t m = 0;
-    for (int i = 0; i < 8; ++i)
-      if (from[i] >= 0) m |= uint64_t{1} << (8 * (7 - i) + from[i]);
-    return m;
-  }
-  // The matrix whose output bit i is the parity of the input bits in masks[i].
+  // The matrix whose output bit i is the parity of the input bits in masks[i]. (Byte 7 - i
+  // of the qword selects the input bits that output bit i sums.)
   static constexpr uint64_t matrix_of_masks(const uint8_t (&masks)[8]) {
     uint64_t m = 0;
     for (int i = 0; i < 8; ++i) m |= uint64_t{masks[i]} << (8 * (7 - i));
     return m;
+  }
+  // The matrix whose output bit i is input bit from[i] (-1: zero).
+  static constexpr uint64_t matrix(const int (&from)[8]) {
+    uint8_t masks[8] = {};
+    for (int i = 0; i < 8; ++i) masks[i] = from[i] >= 0 ? static_cast<uint8_t>(1u << from[i]) : uint8_t{0};
+    return matrix_of_masks(masks);
   }
   static constexpr int kHighFrom[8] = {4, 5, 6, -1, -1, -1, -1, 7};  // eee (bits 6-4) -> 2-0, s -> 7
   static constexpr int kLowFrom[8] = {-1, -1, -1, -1, 0, 1, 2, 3};   // emmm (bits 3-0) -> 7-4
