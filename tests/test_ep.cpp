@@ -755,10 +755,13 @@ void run_case(Buffer& buf, const Prepared& p, const Case& c) {
   // The same combine with x in other memory must give bit-identical results: x in this rank's
   // Buffer::alloc_shared memory (owners read it in place) and, for bf16 where recv_x itself
   // lives in the Buffer's shared memory, x copied to private memory.
-  auto again = [&](const char* what, bool shared_memory) {
+  auto again = [&](const char* what, bool shared_memory, int64_t row_pad = 0) {
     CombineResult other;
     if (!collective_step(std::string("combine (") + what + ")", [&] {
-          Tensor xs = shared_memory ? buf.alloc_shared(ca.x.shape(), DType::bf16) : Tensor::empty(ca.x.shape(), DType::bf16);
+          // row_pad > 0: private rows further apart than a row (a column slice of a wider tensor)
+          Tensor xs = shared_memory ? buf.alloc_shared(ca.x.shape(), DType::bf16)
+                      : row_pad > 0 ? Tensor::empty({ca.x.size(0), ca.x.size(1) + row_pad}, DType::bf16).slice(1, 0, ca.x.size(1))
+                                    : Tensor::empty(ca.x.shape(), DType::bf16);
           EXPECT_EQ(xs.shape(), ca.x.shape());
           EXPECT_EQ(xs.dtype(), DType::bf16);
           if (ca.x.numel() > 0 && xs.shape() == ca.x.shape() && xs.dtype() == DType::bf16) xs.copy_from(ca.x);
@@ -774,6 +777,7 @@ void run_case(Buffer& buf, const Prepared& p, const Case& c) {
   };
   again("from Buffer::alloc_shared", true);
   if (!c.fp8) again("copied to private memory", false);
+  if (!c.fp8 && c.cached) again("copied to private memory, rows padded", false, 32);
 }
 
 // Every case of ep.md's matrix: {bf16, fp8} x {with, without top-k} x {sync, async} x

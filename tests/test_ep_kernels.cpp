@@ -23,8 +23,9 @@ std::vector<uint16_t> awkward_row(int64_t n, uint32_t seed) {
   std::normal_distribution<float> dist(0.0f, 3.0f);
   std::vector<uint16_t> row(static_cast<size_t>(n));
   for (auto& v : row) v = f32_to_bf16(dist(rng));
-  const uint16_t specials[] = {0x7fc0, 0xffc1, 0x7f80, 0xff80, 0x8000, 0x0000, 0x0001, 0x7f7f, 0x3f81};
-  for (int64_t i = 0; i < n; i += 37) row[static_cast<size_t>(i)] = specials[(i / 37) % 9];
+  // quiet and signalling NaNs (a lone row is not summed: its sNaN must still come out quiet)
+  const uint16_t specials[] = {0x7fc0, 0xffc1, 0x7f81, 0x7f80, 0xff80, 0x8000, 0x0000, 0x0001, 0x7f7f, 0x3f81};
+  for (int64_t i = 0; i < n; i += 37) row[static_cast<size_t>(i)] = specials[(i / 37) % 10];
   return row;
 }
 
@@ -36,9 +37,25 @@ uint16_t expected_sum(const std::vector<const uint16_t*>& rows, const uint16_t* 
   return f32_to_bf16(acc);
 }
 
+namespace ep = moekit::ep::detail;
+using ReduceFn = void (*)(uint16_t*, const uint16_t* const*, int, const uint16_t*, const uint16_t*, int64_t, ep::RowsAhead);
+using WeightedFn = void (*)(uint16_t*, const uint16_t* const*, const float*, int, int64_t, ep::RowsAhead);
+
+// The SIMD paths this CPU can run, by name.
+template <class Fn>
+std::vector<std::pair<const char*, Fn>> simd_paths(Fn avx2, Fn avx512) {
+  std::vector<std::pair<const char*, Fn>> paths;
+  if (moekit::isa_supported(moekit::Isa::avx2)) paths.emplace_back("avx2", avx2);
+  if (moekit::isa_supported(moekit::Isa::avx512)) paths.emplace_back("avx512", avx512);
+  return paths;
+}
+
+constexpr uint16_t kGuard = 0xABCD;
+
 TEST(EpKernels, ReduceRowsEveryPathMatchesTheF32Expression) {
-  if (!moekit::isa_supported(moekit::Isa::avx2)) GTEST_SKIP() << "this CPU has no AVX2 path to compare";
-  for (int64_t hidden : {1, 15, 16, 17, 200, 512, 1000, 7168}) {
+  const auto paths = simd_paths<ReduceFn>(ep::reduce_rows_bf16_avx2, ep::reduce_rows_bf16_avx512);
+  if (paths.empty()) GTEST_SKIP() << "this CPU has no SIMD path to compare";
+  for (int64_t hidden : {1, 15, 16, 17, 31, 33, 200, 512, 1000, 7168}) {
     for (int n = 0; n <= 4; ++n) {
       std::vector<std::vector<uint16_t>> data;
       for (int r = 0; r < n + 2; ++r) data.push_back(awkward_row(hidden, static_cast<uint32_t>(hidden * 10 + r)));
@@ -47,14 +64,22 @@ TEST(EpKernels, ReduceRowsEveryPathMatchesTheF32Expression) {
       for (int bias = 0; bias < 4; ++bias) {
         const uint16_t* b0 = bias & 1 ? data[static_cast<size_t>(n)].data() : nullptr;
         const uint16_t* b1 = bias & 2 ? data[static_cast<size_t>(n) + 1].data() : nullptr;
-        alignas(64) static uint16_t out_scalar[7168 + 32], out_simd[7168 + 32];
-        for (int misalign : {0, 1}) {  // aligned (streamed) and unaligned outputs
-          moekit::ep::detail::reduce_rows_bf16_scalar(out_scalar, rows.data(), n, b0, b1, 0, hidden);
-          moekit::ep::detail::reduce_rows_bf16_avx2(out_simd + misalign, rows.data(), n, b0, b1, hidden);
-          moekit::ep::detail::stream_fence();
-          for (int64_t i = 0; i < hidden; ++i) {
-            ASSERT_EQ(out_scalar[i], expected_sum(rows, b0, b1, i)) << "hidden " << hidden << " n " << n << " i " << i;
-            ASSERT_EQ(out_simd[misalign + i], out_scalar[i]) << "hidden " << hidden << " n " << n << " bias " << bias << " i " << i;
+        alignas(64) static uint16_t out_scalar[7168 + 64], out_simd[7168 + 64];
+        ep::reduce_rows_bf16_scalar(out_scalar, rows.data(), n, b0, b1, 0, hidden);
+        for (int64_t i = 0; i < hidden; ++i)
+          ASSERT_EQ(out_scalar[i], expected_sum(rows, b0, b1, i)) << "hidden " << hidden << " n " << n << " i " << i;
+        for (const auto& [name, fn] : paths) {
+          for (int misalign : {0, 1}) {  // aligned (streamed) and unaligned outputs
+            std::fill(std::begin(out_simd), std::end(out_simd), kGuard);
+            // Requesting rows ahead (here: the same rows) changes nothing in the result.
+            fn(out_simd + misalign, rows.data(), n, b0, b1, hidden, ep::RowsAhead{rows.data(), misalign ? n : 0});
+            ep::stream_fence();
+            for (int64_t i = 0; i < hidden; ++i)
+              ASSERT_EQ(out_simd[misalign + i], out_scalar[i]) << name << " hidden " << hidden << " n " << n << " bias " << bias << " i " << i;
+            ASSERT_EQ(out_simd[misalign + hidden], kGuard) << name << ": wrote past the row, hidden " << hidden;
+            if (misalign) {
+              ASSERT_EQ(out_simd[0], kGuard) << name << ": wrote before the row";
+            }
           }
         }
       }
@@ -63,7 +88,8 @@ TEST(EpKernels, ReduceRowsEveryPathMatchesTheF32Expression) {
 }
 
 TEST(EpKernels, WeightedReduceEveryPathMatchesFmaInOrder) {
-  if (!moekit::isa_supported(moekit::Isa::avx2)) GTEST_SKIP() << "this CPU has no AVX2 path to compare";
+  const auto paths = simd_paths<WeightedFn>(ep::reduce_weighted_rows_bf16_avx2, ep::reduce_weighted_rows_bf16_avx512);
+  if (paths.empty()) GTEST_SKIP() << "this CPU has no SIMD path to compare";
   for (int64_t hidden : {1, 16, 33, 7168}) {
     for (int n = 0; n <= 9; ++n) {
       std::vector<std::vector<uint16_t>> data;
@@ -74,14 +100,19 @@ TEST(EpKernels, WeightedReduceEveryPathMatchesFmaInOrder) {
         w.push_back(0.1f + 0.37f * static_cast<float>(r));
       }
       for (auto& d : data) rows.push_back(d.data());
-      std::vector<uint16_t> a(static_cast<size_t>(hidden)), b(static_cast<size_t>(hidden));
-      moekit::ep::detail::reduce_weighted_rows_bf16_scalar(a.data(), rows.data(), w.data(), n, 0, hidden);
-      moekit::ep::detail::reduce_weighted_rows_bf16_avx2(b.data(), rows.data(), w.data(), n, hidden);
+      std::vector<uint16_t> a(static_cast<size_t>(hidden));
+      ep::reduce_weighted_rows_bf16_scalar(a.data(), rows.data(), w.data(), n, 0, hidden);
       for (int64_t i = 0; i < hidden; ++i) {
         float acc = 0.0f;
         for (int r = 0; r < n; ++r) acc = std::fma(w[static_cast<size_t>(r)], bf16_to_f32(rows[static_cast<size_t>(r)][i]), acc);
         ASSERT_EQ(a[static_cast<size_t>(i)], f32_to_bf16(acc)) << "i " << i;
-        ASSERT_EQ(b[static_cast<size_t>(i)], a[static_cast<size_t>(i)]) << "hidden " << hidden << " n " << n << " i " << i;
+      }
+      for (const auto& [name, fn] : paths) {
+        std::vector<uint16_t> b(static_cast<size_t>(hidden) + 1, kGuard);
+        fn(b.data(), rows.data(), w.data(), n, hidden, ep::RowsAhead{rows.data(), n});
+        for (int64_t i = 0; i < hidden; ++i)
+          ASSERT_EQ(b[static_cast<size_t>(i)], a[static_cast<size_t>(i)]) << name << " hidden " << hidden << " n " << n << " i " << i;
+        ASSERT_EQ(b[static_cast<size_t>(hidden)], kGuard) << name << ": wrote past the row";
       }
     }
   }

@@ -22,9 +22,11 @@ void reduce_rows_bf16_scalar(uint16_t* out, const uint16_t* const* rows, int n, 
 }
 
 void reduce_rows_bf16(uint16_t* out, const uint16_t* const* rows, int n, const uint16_t* bias_0,
-                      const uint16_t* bias_1, int64_t hidden) {
-  if (active_isa() >= Isa::avx2) {
-    reduce_rows_bf16_avx2(out, rows, n, bias_0, bias_1, hidden);
+                      const uint16_t* bias_1, int64_t hidden, RowsAhead ahead) {
+  if (active_isa() >= Isa::avx512) {
+    reduce_rows_bf16_avx512(out, rows, n, bias_0, bias_1, hidden, ahead);
+  } else if (active_isa() >= Isa::avx2) {
+    reduce_rows_bf16_avx2(out, rows, n, bias_0, bias_1, hidden, ahead);
   } else {
     reduce_rows_bf16_scalar(out, rows, n, bias_0, bias_1, 0, hidden);
   }
@@ -40,9 +42,11 @@ void reduce_weighted_rows_bf16_scalar(uint16_t* out, const uint16_t* const* rows
 }
 
 void reduce_weighted_rows_bf16(uint16_t* out, const uint16_t* const* rows, const float* weights, int n,
-                               int64_t hidden) {
-  if (active_isa() >= Isa::avx2) {
-    reduce_weighted_rows_bf16_avx2(out, rows, weights, n, hidden);
+                               int64_t hidden, RowsAhead ahead) {
+  if (active_isa() >= Isa::avx512) {
+    reduce_weighted_rows_bf16_avx512(out, rows, weights, n, hidden, ahead);
+  } else if (active_isa() >= Isa::avx2) {
+    reduce_weighted_rows_bf16_avx2(out, rows, weights, n, hidden, ahead);
   } else {
     reduce_weighted_rows_bf16_scalar(out, rows, weights, n, 0, hidden);
   }

@@ -19,18 +19,32 @@ using moekit::detail::stream_fence;
 // exactly that order, rounded to nearest even (NaN stays a quiet NaN); n = 0 gives the
 // biases alone (or zeros). Bit-identical across ISA paths. May use non-temporal stores:
 // the calling thread must stream_fence() before another thread reads out.
+// ahead: the n rows (of `hidden` elements) the caller reduces next, the next token's,
+// requested into L2 line by line as this row advances; none by default. Measured on the
+// 2-vCPU AMX Xeon (2026-12-02, 2 processes, 4 KiB pages, 2 rows of 7168 summed per token):
+// the AVX2 path 10.5 -> 15.3 GB/s of traffic per process; the AVX-512 path is no slower.
+struct RowsAhead {
+  const uint16_t* const* rows = nullptr;
+  int n = 0;
+};
 void reduce_rows_bf16(uint16_t* out, const uint16_t* const* rows, int n, const uint16_t* bias_0,
-                      const uint16_t* bias_1, int64_t hidden);
+                      const uint16_t* bias_1, int64_t hidden, RowsAhead ahead = {});
 void reduce_rows_bf16_scalar(uint16_t* out, const uint16_t* const* rows, int n, const uint16_t* bias_0,
                              const uint16_t* bias_1, int64_t begin, int64_t end);
 // out = bf16(sum_i weights[i] * rows[i]) in f32, i ascending, one fused multiply-add per
 // term (std::fma on the portable path); n = 0 gives zeros.
 void reduce_weighted_rows_bf16(uint16_t* out, const uint16_t* const* rows, const float* weights, int n,
-                               int64_t hidden);
+                               int64_t hidden, RowsAhead ahead = {});
 void reduce_weighted_rows_bf16_scalar(uint16_t* out, const uint16_t* const* rows, const float* weights, int n,
                                       int64_t begin, int64_t end);
 void reduce_weighted_rows_bf16_avx2(uint16_t* out, const uint16_t* const* rows, const float* weights, int n,
-                                    int64_t hidden);
+                                    int64_t hidden, RowsAhead ahead = {});
+// The ISA paths of the two, full rows (active_isa() picks among them).
 void reduce_rows_bf16_avx2(uint16_t* out, const uint16_t* const* rows, int n, const uint16_t* bias_0,
-                           const uint16_t* bias_1, int64_t hidden);  // full rows
+                           const uint16_t* bias_1, int64_t hidden, RowsAhead ahead = {});
+void reduce_rows_bf16_avx512(uint16_t* out, const uint16_t* const* rows, int n, const uint16_t* bias_0,
+                             const uint16_t* bias_1, int64_t hidden, RowsAhead ahead = {});
+void reduce_weighted_rows_bf16_avx512(uint16_t* out, const uint16_t* const* rows, const float* weights, int n,
+                                      int64_t hidden, RowsAhead ahead = {});
+
 }  // namespace moekit::ep::detail

@@ -223,7 +223,8 @@ CombineResult Buffer::combine(const CombineArgs& a) {
       int64_t owner_rows = 0;  // the owner's staging holds all rows it sent; weights follow
       for (int q = 0; q < R; ++q) owner_rows += hs.count(s, q);
       const size_t owner_weights_at = align_up(static_cast<size_t>(owner_rows) * row_bytes, 64);
-      if (!in_place) {
+      // (This rank's own rows need no staging: its reduce below reads them from x itself.)
+      if (!in_place && s != me) {
         const int64_t xs = x.stride(0) * 2;
         if (xs == static_cast<int64_t>(row_bytes)) {
           const auto* src = static_cast<const char*>(x.data()) + first * xs;
@@ -262,13 +263,16 @@ CombineResult Buffer::combine(const CombineArgs& a) {
         direct_stride[static_cast<size_t>(d)] = static_cast<int64_t>(dm[kXStride]);
       }
     }
+    if (!in_place) {  // this rank's rows, from its own (private) x
+      const int64_t xs = x.stride(0) * 2;
+      direct[static_cast<size_t>(me)] = static_cast<const char*>(x.data()) + hs.recv_before(me, me) * xs;
+      direct_stride[static_cast<size_t>(me)] = xs;
+    }
     const int32_t* head = hs.send_head.data_ptr<int32_t>();
     parallel_chunks(threads, hs.tokens, [&](int64_t t0, int64_t t1) {
-      std::vector<const uint16_t*> rows(static_cast<size_t>(R));
-      for (int64_t t = t0; t < t1; ++t) {
+      // The rows of token t, ascending rank, into rows; returns how many.
+      auto gather = [&](int64_t t, std::vector<const uint16_t*>& rows) {
         int n = 0;
-        float* wout = topk > 0 ? combined_w.data_ptr<float>() + t * topk : nullptr;
-        if (wout) std::fill_n(wout, topk, 0.0f);
         for (int d = 0; d < R; ++d) {
           const int32_t j = head[t * R + d];
           if (j < 0) continue;
@@ -276,14 +280,32 @@ CombineResult Buffer::combine(const CombineArgs& a) {
           const char* row = direct[static_cast<size_t>(d)] ? direct[static_cast<size_t>(d)] + j * direct_stride[static_cast<size_t>(d)]
                                                            : stage + staged * row_bytes;
           rows[static_cast<size_t>(n++)] = reinterpret_cast<const uint16_t*>(row);
-          if (wout) {
+        }
+        return n;
+      };
+      std::vector<const uint16_t*> rows(static_cast<size_t>(R)), next(static_cast<size_t>(R));
+      int n = t0 < t1 ? gather(t0, rows) : 0;
+      for (int64_t t = t0; t < t1; ++t) {
+        if (topk > 0) {
+          float* wout = combined_w.data_ptr<float>() + t * topk;
+          std::fill_n(wout, topk, 0.0f);
+          for (int d = 0; d < R; ++d) {
+            const int32_t j = head[t * R + d];
+            if (j < 0) continue;
+            const size_t staged = static_cast<size_t>(stage_before[static_cast<size_t>(d)] + j);
             const float* w = reinterpret_cast<const float*>(stage + weights_at) + staged * static_cast<size_t>(topk);
             for (int64_t q = 0; q < topk; ++q) wout[q] += w[q];
           }
         }
+        // The next token's rows sit elsewhere (other ranks' areas): requesting them while this
+        // token is summed hides the DRAM latency of each new row.
+        const int n_next = t + 1 < t1 ? gather(t + 1, next) : 0;
         const uint16_t* b0 = bias_0.defined() ? bias_0.data_ptr<uint16_t>() + t * bias_0.stride(0) : nullptr;
         const uint16_t* b1 = bias_1.defined() ? bias_1.data_ptr<uint16_t>() + t * bias_1.stride(0) : nullptr;
-        detail::reduce_rows_bf16(combined.data_ptr<uint16_t>() + t * hidden, rows.data(), n, b0, b1, hidden);
+        detail::reduce_rows_bf16(combined.data_ptr<uint16_t>() + t * hidden, rows.data(), n, b0, b1, hidden,
+                                 detail::RowsAhead{next.data(), n_next});
+        std::swap(rows, next);
+        n = n_next;
       }
       detail::stream_fence();
     });

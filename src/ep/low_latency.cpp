@@ -795,9 +795,8 @@ LowLatencyCombineResult Buffer::low_latency_combine_checked(const LowLatencyComb
         stride_r[static_cast<size_t>(d)] = dm[kLLXStrideR];
       }
       std::vector<int32_t> seen(static_cast<size_t>(local_E * R), 0);  // this rank's rows per expert so far
-      std::vector<const uint16_t*> rows(static_cast<size_t>(k));
-      std::vector<float> w(static_cast<size_t>(k));
-      for (int64_t t = 0; t < T; ++t) {
+      // Token t's rows and weights, in top-k order; tokens must come in order (seen counts).
+      auto gather = [&](int64_t t, std::vector<const uint16_t*>& rows, std::vector<float>& w) {
         int n = 0;
         for (int64_t j = 0; j < k; ++j) {
           const int64_t e = topk_idx.data_ptr<int64_t>()[t * topk_idx.stride(0) + j];
@@ -826,7 +825,20 @@ LowLatencyCombineResult Buffer::low_latency_combine_checked(const LowLatencyComb
           w[static_cast<size_t>(n)] = weights.data_ptr<float>()[t * weights.stride(0) + j];
           ++n;
         }
-        detail::reduce_weighted_rows_bf16(result.data_ptr<uint16_t>() + t * result.stride(0), rows.data(), w.data(), n, H);
+        return n;
+      };
+      std::vector<const uint16_t*> rows(static_cast<size_t>(k)), next_rows(static_cast<size_t>(k));
+      std::vector<float> w(static_cast<size_t>(k)), next_w(static_cast<size_t>(k));
+      int n = T > 0 ? gather(0, rows, w) : 0;
+      for (int64_t t = 0; t < T; ++t) {
+        // The next token's rows are elsewhere (other experts, other ranks): requested while
+        // this token is summed (as in the normal combine).
+        const int n_next = t + 1 < T ? gather(t + 1, next_rows, next_w) : 0;
+        detail::reduce_weighted_rows_bf16(result.data_ptr<uint16_t>() + t * result.stride(0), rows.data(), w.data(), n, H,
+                                          detail::RowsAhead{next_rows.data(), n_next});
+        std::swap(rows, next_rows);
+        std::swap(w, next_w);
+        n = n_next;
       }
     } catch (...) {
       // Whatever went wrong here, no expert rank may wait for this one to finish reading.
