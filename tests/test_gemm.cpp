@@ -887,6 +887,37 @@ TEST(GemmAmx, OneOrTwoRowsOfE2m1WeightsMatchOracle) {
         }
 }
 
+// tn calls accumulating into D in place (weight gradients) with one K block: on AMX the
+// tiles start from C (gemm.cpp: tiles_write_d). Against the oracle; 1 and 2 threads bit for
+// bit; a call on the first few rows gives those rows' bits; two K blocks take the
+// partial-sum path and agree with the oracle too.
+TEST(GemmAmx, TnAccumulatingInPlaceSameBitsForAnyThreadsAndM) {
+  if (!isa_supported(Isa::amx)) GTEST_SKIP() << "no AMX-BF16 (or not granted) on this CPU";
+  ScopedIsa amx(Isa::amx);
+  ThreadGuard guard;
+  uint64_t seed = 9900;
+  for (const int64_t k : {100, 512, 2048, 2100})
+    for (const int64_t m : {40, 200})
+      for (const int64_t n : {70, 600}) {
+        SCOPED_TRACE("m " + std::to_string(m) + " n " + std::to_string(n) + " k " + std::to_string(k));
+        const Tensor xa = random_bf16(k, m, seed), xb = random_bf16(k, n, seed + 1);  // tn: [K, M], [K, N]
+        Tensor c = Tensor::empty({m, n}, DType::f32);
+        convert(random_bf16(m, n, seed + 2), c);
+        seed += 3;
+        const Tensor one = on_one_and_two_threads({m, n}, [&](const Tensor& d) {
+          d.copy_from(c);
+          bf16_gemm_tn(xa, xb, d, d);
+        });
+        const std::vector<double> want = ref::gemm(Layout::tn, {xa, Tensor(), 1, 128}, {xb, Tensor(), 1, 128}, c);
+        EXPECT_LE(ref::calc_diff(ref::to_f64(one), want), 1e-5);
+        constexpr int64_t kFew = 5;
+        Tensor few = Tensor::empty({kFew, n}, DType::f32);
+        few.copy_from(c.slice(0, 0, kFew));
+        bf16_gemm_tn(xa.slice(1, 0, kFew), xb, few, few);
+        EXPECT_EQ(0, std::memcmp(few.data(), one.data(), static_cast<size_t>(kFew * n) * 4)) << "the first rows alone";
+      }
+}
+
 TEST(GemmPacked, BadInputRaisesNamedErrors) {
   const Tensor a = random_bf16(6, 64, 1), b = random_bf16(8, 64, 2);
   Tensor d = Tensor::empty({6, 8}, DType::f32);

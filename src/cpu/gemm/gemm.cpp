@@ -169,6 +169,43 @@ void sweep(const detail::GemmKernels& kern, const float* pa, const float* pb, in
   }
 }
 
+// The same tiles straight in D (tiles_write_d), rows ldd floats apart: each strip of mr rows
+// sweeps the column block's B panels (from L2), so that every row of D is read and written
+// front to back, which the hardware prefetchers follow. In sweep's order a tile in D touches
+// mr rows a page apart; requesting them ahead (every line or one per row, one to four tiles
+// ahead) was 5-15 % slower than this order without requests (AMX host, 2026-12-02).
+void sweep_into_d(const detail::GemmKernels& kern, const float* pa, const float* pb, int64_t mc, int64_t nc, int64_t kc,
+                  float* d, int64_t ldd, bool accumulate) {
+  for (int64_t ir = 0; ir < mc; ir += kern.mr) {
+    const int rows = static_cast<int>(std::min<int64_t>(kern.mr, mc - ir));
+    const float* ap = pa + panels_floats(kern, ir / kern.mr, kc, kern.mr);
+    for (int64_t jr = 0; jr < nc; jr += kern.nr)
+      kern.tile(kc, ap, pb + panels_floats(kern, jr / kern.nr, kc, kern.nr), d + ir * ldd + jr, ldd, rows,
+                static_cast<int>(std::min<int64_t>(kern.nr, nc - jr)), accumulate);
+  }
+}
+
+// Whether a call's tiles (one K block) go straight to f32 D, skipping the partial-sum buffer
+// and write_block:
+// - without C: the tiles store their sums where write_block would have copied them: the
+//   same bits;
+// - with C = D (accumulating in place, as weight gradients do), on the AMX kernels, in the
+//   tn layout (A and B MN-major): the tiles start from C, so D = C + products rounds as one
+//   chain from C instead of C added to the chain's sum. Such calls never take the small-M
+//   streaming path (it needs K-major B) and have no pre-packed form (packed calls take
+//   K-major A), so every M still gives the same bits, and so does any thread count (AMX is
+//   its own accuracy class; docs/GEMM.md).
+// K-grouped 4 x 4096 x 7168 x 512 accumulating in place, 2 threads (AMX host, 2026-12-02):
+// 119-127 -> 93-99 ms. Adding C to each tile's sums from an L1 scratch tile instead (the
+// same bits as write_block) was 113-120 ms: its loads of C stall where the tiles' do not.
+bool tiles_write_d(const detail::GemmKernels& kern, const GemmOperand& a, const GemmOperand& b, const Prepacked& pre,
+                   const Output& out) {
+  if (a.k <= 0 || a.k > kern.kc || out.dtype != DType::f32) return false;
+  if (!out.c) return true;
+  return kern.tiles_start_from_c && !a.k_major && !b.k_major && !pre.data && out.c == out.d &&
+         out.c_dtype == DType::f32 && out.ldc == out.ldd;
+}
+
 // Items whose packed panels hold all of K, so that the partial sums of a row block (at most
 // GemmKernels::mc rows) stay in L2 through every K block and go to D at once:
 // - narrow items (at most mc rows: M = 5..96 on the FMA targets, or M = 128 split by columns): A is packed
@@ -201,7 +238,8 @@ void run_all_k_item(const detail::GemmKernels& kern, const GemmOperand& a, const
   const int64_t b_block = panels_floats(kern, nc_pad / kern.nr, kern.kc, kern.nr);
   float* pa = buf.a.get(static_cast<size_t>(a_block * blocks));
   float* pb = pre.data ? nullptr : buf.b.get(static_cast<size_t>(b_block * blocks));
-  float* acc = buf.acc.get(static_cast<size_t>(mc_max * nc_pad));
+  const bool direct = tiles_write_d(kern, a, b, pre, out);
+  float* acc = direct ? nullptr : buf.acc.get(static_cast<size_t>(mc_max * nc_pad));
   auto pack_a = [&](int64_t ic, int64_t mc) {
     for (int64_t pc = 0; pc < k; pc += kern.kc)
       kern.pack(a, ic, mc, pc, std::min(kern.kc, k - pc), kern.mr, pa + (pc / kern.kc) * a_block,
@@ -227,6 +265,11 @@ void run_all_k_item(const detail::GemmKernels& kern, const GemmOperand& a, const
     for (int64_t ic = m0; ic < m1; ic += kern.mc) {
       const int64_t mc = std::min(kern.mc, m1 - ic), panel_stride = mc * kern.nr;
       if (!one_row_block) pack_a(ic, mc);
+      if (direct) {
+        sweep_into_d(kern, pa, b_at(0), mc, nc, k, reinterpret_cast<float*>(out.d) + ic * out.ldd + jc, out.ldd,
+                     out.c != nullptr);
+        continue;
+      }
       if (k == 0) std::fill(acc, acc + mc * nc_pad, 0.0f);
       for (int64_t pc = 0; pc < k; pc += kern.kc)
         sweep(kern, pa + (pc / kern.kc) * a_block, b_at(pc), mc, nc, std::min(kern.kc, k - pc), acc,
@@ -241,7 +284,9 @@ void run_item(const detail::GemmKernels& kern, const GemmOperand& a, const GemmO
   const int64_t k = a.k;
   const int64_t rows = m1 - m0;
   if (rows <= 0 || n1 <= n0) return;
-  if (rows <= kern.mc || k <= kShortKBlocks * detail::kGemmKc)
+  // (Calls whose tiles write D directly take that driver at every size, so that the thread
+  // split, which changes the rows per item, cannot change their bits.)
+  if (rows <= kern.mc || k <= kShortKBlocks * detail::kGemmKc || tiles_write_d(kern, a, b, pre, out))
     return run_all_k_item(kern, a, b, pre, out, m0, m1, n0, n1);
   const int64_t nc_max = column_block(rows, n1 - n0, kern.nr);
   ThreadBuffers& buf = thread_buffers();

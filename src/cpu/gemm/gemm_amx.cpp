@@ -1190,6 +1190,7 @@ const GemmKernels& gemm_kernels_amx() {
     t.small_m_cols = 4096;
     t.small_m_align = kMr;
     t.small_m_any_a = true;
+    t.tiles_start_from_c = true;
     return t;
   }();
   return k;

@@ -78,6 +78,8 @@ struct GemmKernels {
   int64_t small_m_cols = 256;
   int64_t small_m_align = 4;
   bool small_m_any_a = false;
+  // Whether tiles accumulating into D in place may start from C (gemm.cpp: tiles_write_d).
+  bool tiles_start_from_c = false;
 };
 
 const GemmKernels& gemm_kernels_scalar();
