@@ -69,6 +69,9 @@ struct GemmKernels {
   // overwrites c. FMAs in kk order from the loaded (or zero) value of c.
   void (*tile)(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, int rows, int cols,
                bool accumulate);
+  // Called on the calling thread before a run of tile() calls (null: nothing to do). The AMX
+  // target loads its tile configuration here, once per sweep rather than once per tile.
+  void (*begin_tiles)() = nullptr;
   // Small M (a.mn ≤ small_m_rows), B K-major (and A too unless small_m_any_a):
   // out[m, j - n0] = Σ_k a·b for columns [n0, n1), f32, row stride ld_out. Streams B once,
   // decoding as it goes. The driver asks for at most small_m_cols columns per call, and
