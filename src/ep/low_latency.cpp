@@ -728,6 +728,8 @@ LowLatencyCombineResult Buffer::low_latency_combine_checked(const LowLatencyComb
   const size_t span = static_cast<size_t>(local_E - 1) * xs_e + static_cast<size_t>(L.slots - 1) * xs_r + row_bytes;
   size_t heap_off = 0;
   const int heap_seg = m.heap->find(a.x.data(), span, heap_off);
+  const bool own_rows_from_x = !a.return_recv_hook && !ll_async(m, a.async_finish);
+  Tensor own_x;  // x in private memory, which the receive reads in place for this rank's own rows
   if (seg->contains(a.x.data(), span)) {  // e.g. get_next_low_latency_combine_buffer
     meta[kLLXWhere] = 1;
     meta[kLLXOff] = static_cast<uint64_t>(static_cast<const char*>(a.x.data()) - seg->data());
@@ -742,10 +744,22 @@ LowLatencyCombineResult Buffer::low_latency_combine_checked(const LowLatencyComb
   } else {
     if (a.zero_copy)
       fail(fn, "x", "get_next_low_latency_combine_buffer(handle) with zero_copy", "a tensor outside the buffer");
-    for (int64_t e = 0; e < local_E; ++e)
+    // This rank's own rows (its tokens' results from its own experts) are not copied when it
+    // reads them before returning (no hook, not asynchronous): the receive takes them from x.
+    if (own_rows_from_x) own_x = a.x;
+    const int64_t* own_range = own_rows_from_x ? reinterpret_cast<const int64_t*>(
+                                                     m.peers[static_cast<size_t>(lr)].low_latency->data() +
+                                                     static_cast<size_t>(state->half) * m.ll_half_stride() + L.layout_range)
+                                               : nullptr;
+    for (int64_t e = 0; e < local_E; ++e) {
+      const int64_t range = own_range ? own_range[e * m.num_ranks + m.rank] : 0;
+      const int64_t skip_begin = range >> 32, skip_end = skip_begin + (range & 0xffffffff);
       for (int64_t r = 0; r < state->recv_count[static_cast<size_t>(e)]; ++r)
-        detail::copy_stream(own + L.combine_x + static_cast<size_t>(e * L.slots + r) * row_bytes,
-                    static_cast<const char*>(a.x.data()) + static_cast<size_t>(e) * xs_e + static_cast<size_t>(r) * xs_r, row_bytes);
+        if (r < skip_begin || r >= skip_end)
+          detail::copy_stream(own + L.combine_x + static_cast<size_t>(e * L.slots + r) * row_bytes,
+                              static_cast<const char*>(a.x.data()) + static_cast<size_t>(e) * xs_e + static_cast<size_t>(r) * xs_r,
+                              row_bytes);
+    }
     meta[kLLXWhere] = 1;
     meta[kLLXOff] = static_cast<uint64_t>(own + L.combine_x - seg->data());
     meta[kLLXStrideE] = static_cast<uint64_t>(L.slots) * row_bytes;
@@ -761,7 +775,7 @@ LowLatencyCombineResult Buffer::low_latency_combine_checked(const LowLatencyComb
   LowLatencyCombineResult out;
   out.combined_x = a.out.defined() ? a.out : Tensor::from_blob_with_owner(own + L.combine_out, {T, H}, DType::bf16, seg);
   Tensor result = out.combined_x, topk_idx = a.topk_idx, weights = a.topk_weights;
-  auto receive = [&m, state, result, topk_idx, weights, fn, call, half] {
+  auto receive = [&m, state, result, topk_idx, weights, fn, call, half, own_x] {
     const int R = m.num_ranks, me = m.rank, lr = m.local_rank;
     const LLLayout& L = state->layout;
     const int64_t T = state->tokens, k = state->topk, H = L.hidden, local_E = L.local_experts;
@@ -793,6 +807,11 @@ LowLatencyCombineResult Buffer::low_latency_combine_checked(const LowLatencyComb
                                                             : peer.segments[static_cast<size_t>(dm[kLLXSeg])]->data() + dm[kLLXOff];
         stride_e[static_cast<size_t>(d)] = dm[kLLXStrideE];
         stride_r[static_cast<size_t>(d)] = dm[kLLXStrideR];
+      }
+      if (own_x.defined() && !m.masked[static_cast<size_t>(me)]) {
+        base[static_cast<size_t>(me)] = static_cast<const char*>(own_x.data());
+        stride_e[static_cast<size_t>(me)] = static_cast<size_t>(own_x.stride(0)) * 2;
+        stride_r[static_cast<size_t>(me)] = static_cast<size_t>(own_x.stride(1)) * 2;
       }
       std::vector<int32_t> seen(static_cast<size_t>(local_E * R), 0);  // this rank's rows per expert so far
       // Token t's rows and weights, in top-k order; tokens must come in order (seen counts).
