@@ -119,20 +119,23 @@ TEST(EpKernels, WeightedReduceEveryPathMatchesFmaInOrder) {
 }
 
 TEST(EpKernels, StreamCopyCopiesEveryByte) {
-  if (!moekit::isa_supported(moekit::Isa::avx2)) GTEST_SKIP() << "this CPU has no AVX2 path to compare";
-  std::vector<unsigned char> src(70000), dst(70000 + 64);
+  using CopyFn = void (*)(void*, const void*, size_t);
+  const auto paths = simd_paths<CopyFn>(moekit::detail::copy_stream_avx2, moekit::detail::copy_stream_avx512);
+  if (paths.empty()) GTEST_SKIP() << "this CPU has no SIMD path to compare";
+  std::vector<unsigned char> src(70000), dst(70000 + 128);
   for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<unsigned char>(i * 131 + 7);
-  for (size_t n : {64ul, 65ul, 2048ul, 4097ul, 70000ul - 3})
-    for (size_t off : {0ul, 1ul, 31ul}) {
-      std::fill(dst.begin(), dst.end(), 0xAB);
-      moekit::detail::copy_stream_avx2(dst.data() + off, src.data() + 3, n);
-      moekit::ep::detail::stream_fence();
-      ASSERT_EQ(std::memcmp(dst.data() + off, src.data() + 3, n), 0) << n << " " << off;
-      ASSERT_EQ(dst[off + n], 0xAB);
-      if (off) {
-        ASSERT_EQ(dst[off - 1], 0xAB);
+  for (const auto& [name, copy] : paths)
+    for (size_t n : {64ul, 65ul, 127ul, 255ul, 256ul, 2048ul, 4097ul, 70000ul - 3})
+      for (size_t off : {0ul, 1ul, 31ul, 63ul}) {
+        std::fill(dst.begin(), dst.end(), 0xAB);
+        copy(dst.data() + off, src.data() + 3, n);
+        moekit::ep::detail::stream_fence();
+        ASSERT_EQ(std::memcmp(dst.data() + off, src.data() + 3, n), 0) << name << " " << n << " " << off;
+        ASSERT_EQ(dst[off + n], 0xAB) << name;
+        if (off) {
+          ASSERT_EQ(dst[off - 1], 0xAB) << name;
+        }
       }
-    }
 }
 
 }  // namespace

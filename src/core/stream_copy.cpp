@@ -9,7 +9,9 @@
 namespace moekit::detail {
 
 void copy_stream(void* dst, const void* src, size_t n) {
-  if (n >= kStreamMinBytes && active_isa() >= Isa::avx2) {
+  if (n >= kStreamMinBytes && active_isa() >= Isa::avx512) {
+    copy_stream_avx512(dst, src, n);
+  } else if (n >= kStreamMinBytes && active_isa() >= Isa::avx2) {
     copy_stream_avx2(dst, src, n);
   } else {
     std::memcpy(dst, src, n);

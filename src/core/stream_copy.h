@@ -8,11 +8,13 @@
 
 namespace moekit::detail {
 
-// Copies n bytes; non-temporal when n >= kStreamMinBytes and the CPU has AVX2.
+// Copies n bytes; non-temporal when n >= kStreamMinBytes and the CPU has AVX2 (whole-line
+// stores with AVX-512).
 void copy_stream(void* dst, const void* src, size_t n);
 void stream_fence();
 inline constexpr size_t kStreamMinBytes = 2048;
 
-void copy_stream_avx2(void* dst, const void* src, size_t n);  // n >= 64
+void copy_stream_avx2(void* dst, const void* src, size_t n);    // n >= 64
+void copy_stream_avx512(void* dst, const void* src, size_t n);  // n >= 64
 
 }  // namespace moekit::detail

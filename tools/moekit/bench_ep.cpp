@@ -51,18 +51,20 @@ std::pair<Timing, Timing> time_pair(const std::function<void()>& fn, const std::
   return {summarise(a), summarise(b)};
 }
 
-// The ceiling: each rank copies `bytes` (non-temporal stores when the CPU has AVX2, else
-// memcpy; the better of the two) while every other rank does the same.
+// The ceiling: each rank copies `bytes` (memcpy, and non-temporal stores with AVX2 and with
+// AVX-512 where the CPU has them; the best of these) while every other rank does the same.
 double concurrent_copy_gbps(size_t bytes, int repeats) {
   Tensor src = random_bf16(static_cast<int64_t>(bytes / 2 / 4096), 4096, 7);
   Tensor dst = Tensor::zeros({static_cast<int64_t>(bytes)}, DType::u8);
   const size_t n = static_cast<size_t>(src.numel()) * 2;
   double best = 0;
-  for (int variant = 0; variant < 2; ++variant) {
+  for (int variant = 0; variant < 3; ++variant) {
     std::vector<double> us;
     for (int i = 0; i < repeats + 1; ++i)
       us.push_back(timed_run([&] {
-        if (variant == 1 && isa_supported(Isa::avx2)) {
+        if (variant == 2 && isa_supported(Isa::avx512)) {
+          kernels::copy_stream_avx512(src.data(), dst.data(), static_cast<int64_t>(n));
+        } else if (variant == 1 && isa_supported(Isa::avx2)) {
           kernels::copy_stream_avx2(src.data(), dst.data(), static_cast<int64_t>(n));
         } else {
           std::memcpy(dst.data(), src.data(), n);

@@ -135,6 +135,13 @@ void copy_bandwidths(std::vector<Ceiling>& out, const Buffer& src, const Buffer&
     });
     keep_best(out, {"copy_bw", "avx2 loads + non-temporal stores", threads, copied / t_stream});
   }
+  if (isa_supported(Isa::avx512)) {
+    const double t_stream = best_time(threads, repeats, [&](int id, int n) {
+      const auto [begin, len] = share(src.bytes, id, n);
+      kernels::copy_stream_avx512(src.data.get() + begin, dst.data.get() + begin, len);
+    });
+    keep_best(out, {"copy_bw", "avx512 loads + non-temporal stores", threads, copied / t_stream});
+  }
 }
 
 }  // namespace

@@ -46,6 +46,7 @@ void read_prefetch_avx2(const void* data, int64_t bytes, int64_t* sink);
 void read_4streams_avx2(const void* data, int64_t bytes, int64_t* sink);
 void read_avx512(const void* data, int64_t bytes, int64_t* sink);
 void copy_stream_avx2(const void* src, void* dst, int64_t bytes);
+void copy_stream_avx512(const void* src, void* dst, int64_t bytes);
 }  // namespace kernels
 
 }  // namespace moekit::tools

@@ -52,4 +52,20 @@ void read_avx512(const void* data, int64_t bytes, int64_t* sink) {
   *sink ^= _mm512_reduce_add_epi64(s);
 }
 
+// Whole-line non-temporal stores (the AVX2 copy writes each line in two halves).
+void copy_stream_avx512(const void* src, void* dst, int64_t bytes) {
+  const auto* s = static_cast<const __m512i*>(src);
+  auto* d = static_cast<__m512i*>(dst);
+  const int64_t n = bytes / 64;
+  for (int64_t i = 0; i + 4 <= n; i += 4) {
+    const __m512i v0 = _mm512_load_si512(s + i), v1 = _mm512_load_si512(s + i + 1);
+    const __m512i v2 = _mm512_load_si512(s + i + 2), v3 = _mm512_load_si512(s + i + 3);
+    _mm512_stream_si512(d + i, v0);
+    _mm512_stream_si512(d + i + 1, v1);
+    _mm512_stream_si512(d + i + 2, v2);
+    _mm512_stream_si512(d + i + 3, v3);
+  }
+  _mm_sfence();
+}
+
 }  // namespace moekit::tools::kernels
