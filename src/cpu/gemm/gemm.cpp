@@ -156,7 +156,7 @@ int64_t column_block(int64_t rows, int64_t cols, int nr) {
 // next tile's sums are requested while this one computes.
 void sweep(const detail::GemmKernels& kern, const float* pa, const float* pb, int64_t mc, int64_t nc, int64_t kc,
            float* acc, int64_t panel_stride, bool accumulate) {
-  if (kern.begin_tiles) kern.begin_tiles();
+  if (kern.begin_tiles) kern.begin_tiles(false);  // a new A panel per tile
   for (int64_t jr = 0; jr < nc; jr += kern.nr) {
     const int cols = static_cast<int>(std::min<int64_t>(kern.nr, nc - jr));
     const float* bp = pb + panels_floats(kern, jr / kern.nr, kc, kern.nr);
@@ -177,7 +177,7 @@ void sweep(const detail::GemmKernels& kern, const float* pa, const float* pb, in
 // ahead) was 5-15 % slower than this order without requests (AMX host, 2026-12-02).
 void sweep_into_d(const detail::GemmKernels& kern, const float* pa, const float* pb, int64_t mc, int64_t nc, int64_t kc,
                   float* d, int64_t ldd, bool accumulate) {
-  if (kern.begin_tiles) kern.begin_tiles();
+  if (kern.begin_tiles) kern.begin_tiles(true);  // a new B panel per tile
   for (int64_t ir = 0; ir < mc; ir += kern.mr) {
     const int rows = static_cast<int>(std::min<int64_t>(kern.mr, mc - ir));
     const float* ap = pa + panels_floats(kern, ir / kern.mr, kc, kern.mr);

@@ -69,9 +69,11 @@ struct GemmKernels {
   // overwrites c. FMAs in kk order from the loaded (or zero) value of c.
   void (*tile)(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, int rows, int cols,
                bool accumulate);
-  // Called on the calling thread before a run of tile() calls (null: nothing to do). The AMX
-  // target loads its tile configuration here, once per sweep rather than once per tile.
-  void (*begin_tiles)() = nullptr;
+  // Called on the calling thread before a run of tile() calls (null: nothing to do).
+  // b_streams: the run loads a new B panel for every tile and reuses A's, else the reverse.
+  // The AMX target loads its tile configuration here (once per sweep rather than once per
+  // tile) and hints the streamed operand's loads.
+  void (*begin_tiles)(bool b_streams) = nullptr;
   // Small M (a.mn ≤ small_m_rows), B K-major (and A too unless small_m_any_a):
   // out[m, j - n0] = Σ_k a·b for columns [n0, n1), f32, row stride ld_out. Streams B once,
   // decoding as it goes. The driver asks for at most small_m_cols columns per call, and
