@@ -5,6 +5,8 @@
 #pragma once
 
 #include <cstddef>
+#include <xmmintrin.h>
+
 #include <cstdint>
 
 #include "core/stream_copy.h"
@@ -26,6 +28,10 @@ using moekit::detail::stream_fence;
 struct RowsAhead {
   const uint16_t* const* rows = nullptr;
   int n = 0;
+  // Requests element i's line of every row (call once per 32 elements).
+  void request(int64_t i) const {
+    for (int r = 0; r < n; ++r) _mm_prefetch(reinterpret_cast<const char*>(rows[r] + i), _MM_HINT_T1);
+  }
 };
 void reduce_rows_bf16(uint16_t* out, const uint16_t* const* rows, int n, const uint16_t* bias_0,
                       const uint16_t* bias_1, int64_t hidden, RowsAhead ahead = {});

@@ -47,8 +47,7 @@ void reduce_rows_bf16_avx2(uint16_t* out, const uint16_t* const* rows, int n, co
   const bool stream = hidden >= 512 && (reinterpret_cast<uintptr_t>(out) & 31) == 0;
   int64_t i = 0;
   for (; i + 16 <= hidden; i += 16) {
-    if (i % 32 == 0)
-      for (int r = 0; r < ahead.n; ++r) _mm_prefetch(reinterpret_cast<const char*>(ahead.rows[r] + i), _MM_HINT_T1);
+    if (i % 32 == 0) ahead.request(i);
     const __m256 a = sum8(rows, n, bias_0, bias_1, i), b = sum8(rows, n, bias_0, bias_1, i + 8);
     const bool nan = _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_UNORD_Q)) != 0;
     const __m256i lo = nan ? round_bf16x8(a) : round_bf16x8_finite(a);
@@ -68,8 +67,7 @@ void reduce_weighted_rows_bf16_avx2(uint16_t* out, const uint16_t* const* rows, 
                                     int64_t hidden, RowsAhead ahead) {
   int64_t i = 0;
   for (; i + 16 <= hidden; i += 16) {
-    if (i % 32 == 0)
-      for (int r = 0; r < ahead.n; ++r) _mm_prefetch(reinterpret_cast<const char*>(ahead.rows[r] + i), _MM_HINT_T1);
+    if (i % 32 == 0) ahead.request(i);
     __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
     for (int r = 0; r < n; ++r) {
       const __m256 w = _mm256_set1_ps(weights[r]);

@@ -42,10 +42,6 @@ inline void store(uint16_t* out, __m512i v, __mmask32 live, bool stream) {
   else _mm512_mask_storeu_epi16(out, live, v);
 }
 
-inline void prefetch_ahead(RowsAhead ahead, int64_t i) {
-  for (int r = 0; r < ahead.n; ++r) _mm_prefetch(reinterpret_cast<const char*>(ahead.rows[r] + i), _MM_HINT_T1);
-}
-
 inline __mmask32 live_lanes(int64_t left) { return left >= 32 ? ~__mmask32{0} : (__mmask32{1} << left) - 1; }
 
 }  // namespace
@@ -55,7 +51,7 @@ void reduce_rows_bf16_avx512(uint16_t* out, const uint16_t* const* rows, int n, 
   // Rows of the combined output are not read again soon: stream them past the cache.
   const bool aligned = hidden >= 512 && (reinterpret_cast<uintptr_t>(out) & 63) == 0;
   for (int64_t i = 0; i < hidden; i += 32) {
-    prefetch_ahead(ahead, i);
+    ahead.request(i);
     const __mmask32 live = live_lanes(hidden - i);
     // f32 sums in the portable path's order: rows[0] itself, or 0 when there is none.
     Lanes acc = n > 0 ? load_pairs(rows[0] + i, live) : Lanes{_mm512_setzero_ps(), _mm512_setzero_ps()};
@@ -73,7 +69,7 @@ void reduce_rows_bf16_avx512(uint16_t* out, const uint16_t* const* rows, int n, 
 void reduce_weighted_rows_bf16_avx512(uint16_t* out, const uint16_t* const* rows, const float* weights, int n,
                                       int64_t hidden, RowsAhead ahead) {
   for (int64_t i = 0; i < hidden; i += 32) {
-    prefetch_ahead(ahead, i);
+    ahead.request(i);
     const __mmask32 live = live_lanes(hidden - i);
     Lanes acc{_mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int r = 0; r < n; ++r) {

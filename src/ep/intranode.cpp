@@ -270,42 +270,46 @@ CombineResult Buffer::combine(const CombineArgs& a) {
     }
     const int32_t* head = hs.send_head.data_ptr<int32_t>();
     parallel_chunks(threads, hs.tokens, [&](int64_t t0, int64_t t1) {
-      // The rows of token t, ascending rank, into rows; returns how many.
-      auto gather = [&](int64_t t, std::vector<const uint16_t*>& rows) {
+      // Token t's rows, one per rank that received it, ascending rank, and each one's index in
+      // its owner's staging (where its weights are, whether or not its values are there).
+      struct Received {
+        std::vector<const uint16_t*> rows;
+        std::vector<size_t> staged;
         int n = 0;
+      };
+      auto gather = [&](int64_t t, Received& to) {
+        to.n = 0;
         for (int d = 0; d < R; ++d) {
           const int32_t j = head[t * R + d];
           if (j < 0) continue;
           const size_t staged = static_cast<size_t>(stage_before[static_cast<size_t>(d)] + j);
           const char* row = direct[static_cast<size_t>(d)] ? direct[static_cast<size_t>(d)] + j * direct_stride[static_cast<size_t>(d)]
                                                            : stage + staged * row_bytes;
-          rows[static_cast<size_t>(n++)] = reinterpret_cast<const uint16_t*>(row);
+          to.rows[static_cast<size_t>(to.n)] = reinterpret_cast<const uint16_t*>(row);
+          to.staged[static_cast<size_t>(to.n++)] = staged;
         }
-        return n;
       };
-      std::vector<const uint16_t*> rows(static_cast<size_t>(R)), next(static_cast<size_t>(R));
-      int n = t0 < t1 ? gather(t0, rows) : 0;
+      Received cur{std::vector<const uint16_t*>(static_cast<size_t>(R)), std::vector<size_t>(static_cast<size_t>(R))};
+      Received next = cur;
+      if (t0 < t1) gather(t0, cur);
       for (int64_t t = t0; t < t1; ++t) {
         if (topk > 0) {
           float* wout = combined_w.data_ptr<float>() + t * topk;
           std::fill_n(wout, topk, 0.0f);
-          for (int d = 0; d < R; ++d) {
-            const int32_t j = head[t * R + d];
-            if (j < 0) continue;
-            const size_t staged = static_cast<size_t>(stage_before[static_cast<size_t>(d)] + j);
-            const float* w = reinterpret_cast<const float*>(stage + weights_at) + staged * static_cast<size_t>(topk);
+          for (int i = 0; i < cur.n; ++i) {
+            const float* w = reinterpret_cast<const float*>(stage + weights_at) + cur.staged[static_cast<size_t>(i)] * static_cast<size_t>(topk);
             for (int64_t q = 0; q < topk; ++q) wout[q] += w[q];
           }
         }
         // The next token's rows sit elsewhere (other ranks' areas): requesting them while this
         // token is summed hides the DRAM latency of each new row.
-        const int n_next = t + 1 < t1 ? gather(t + 1, next) : 0;
+        next.n = 0;
+        if (t + 1 < t1) gather(t + 1, next);
         const uint16_t* b0 = bias_0.defined() ? bias_0.data_ptr<uint16_t>() + t * bias_0.stride(0) : nullptr;
         const uint16_t* b1 = bias_1.defined() ? bias_1.data_ptr<uint16_t>() + t * bias_1.stride(0) : nullptr;
-        detail::reduce_rows_bf16(combined.data_ptr<uint16_t>() + t * hidden, rows.data(), n, b0, b1, hidden,
-                                 detail::RowsAhead{next.data(), n_next});
-        std::swap(rows, next);
-        n = n_next;
+        detail::reduce_rows_bf16(combined.data_ptr<uint16_t>() + t * hidden, cur.rows.data(), cur.n, b0, b1, hidden,
+                                 detail::RowsAhead{next.rows.data(), next.n});
+        std::swap(cur, next);
       }
       detail::stream_fence();
     });

@@ -252,6 +252,13 @@ struct LLHandleState {
   std::vector<int32_t> recv_count;  // per local expert
 };
 
+// The layout ranges that same-node rank `local` published for the dispatch of `state`:
+// [local expert][source rank], begin << 32 | count of that source's rows in the expert.
+const int64_t* layout_ranges(const Buffer::Impl& m, const LLHandleState& state, int local) {
+  return reinterpret_cast<const int64_t*>(m.peers[static_cast<size_t>(local)].low_latency->data() +
+                                          static_cast<size_t>(state.half) * m.ll_half_stride() + state.layout.layout_range);
+}
+
 struct LLHook {
   std::function<void()> body;
   bool done = false;
@@ -747,10 +754,7 @@ LowLatencyCombineResult Buffer::low_latency_combine_checked(const LowLatencyComb
     // This rank's own rows (its tokens' results from its own experts) are not copied when it
     // reads them before returning (no hook, not asynchronous): the receive takes them from x.
     if (own_rows_from_x) own_x = a.x;
-    const int64_t* own_range = own_rows_from_x ? reinterpret_cast<const int64_t*>(
-                                                     m.peers[static_cast<size_t>(lr)].low_latency->data() +
-                                                     static_cast<size_t>(state->half) * m.ll_half_stride() + L.layout_range)
-                                               : nullptr;
+    const int64_t* own_range = own_rows_from_x ? layout_ranges(m, *state, lr) : nullptr;
     for (int64_t e = 0; e < local_E; ++e) {
       const int64_t range = own_range ? own_range[e * m.num_ranks + m.rank] : 0;
       const int64_t skip_begin = range >> 32, skip_end = skip_begin + (range & 0xffffffff);
@@ -827,9 +831,7 @@ LowLatencyCombineResult Buffer::low_latency_combine_checked(const LowLatencyComb
           const char* row = nullptr;
           if (m.on_node(d)) {
             // begin of this rank's rows inside expert el on rank d: from d's layout_range.
-            const char* drange = m.peers[static_cast<size_t>(m.local_of(d))].low_latency->data() +
-                                 static_cast<size_t>(state->half) * m.ll_half_stride() + L.layout_range;
-            const int64_t range = reinterpret_cast<const int64_t*>(drange)[el * R + me];
+            const int64_t range = layout_ranges(m, *state, m.local_of(d))[el * R + me];
             const int64_t begin = range >> 32;
             // A result this old may have been overwritten (more than two live): refuse, never read out of bounds.
             if (index >= (range & 0xffffffff) || begin + index >= L.slots)
