@@ -175,6 +175,13 @@ void request_d(const Output& out, int64_t i0, int64_t rows, int64_t j0, int64_t 
 // into an L1 scratch rather than the buffer. Measured (AMX host, bf16 D 4096 x 7168 x 2048,
 // 2 threads): 87 -> 75 ms; write_block's second pass over a buffer of 29 MB per thread had
 // been 13 % of the call.
+// Whether the last K block finishes its tiles into D (sweep) for a partial-sum buffer of
+// `floats`: when the buffer is larger than L2, so that a second pass would read it from
+// further out. From L2, write_block's pass over whole rows was the faster one: bf16 D
+// 4096 x 32768 x 512 on AMX (acc 384 KiB per row block), 89 ms against 128 finishing tiles.
+constexpr int64_t kFinishTilesAbove = int64_t{1} << 20;  // bytes
+bool finish_tiles(int64_t floats) { return floats * 4 > kFinishTilesAbove; }
+
 struct LastBlock {
   const Output* out;
   int64_t i0, j0;
@@ -316,9 +323,11 @@ void run_all_k_item(const detail::GemmKernels& kern, const GemmOperand& a, const
         write_block(out, {acc, kern.nr, panel_stride}, ic, ic + mc, jc, nc);
       }
       const LastBlock last{&out, ic, jc};
+      const bool finish = finish_tiles(mc * nc_pad);
       for (int64_t pc = 0; pc < k; pc += kern.kc)
         sweep(kern, pa + (pc / kern.kc) * a_block, b_at(pc), mc, nc, std::min(kern.kc, k - pc), acc,
-              panel_stride, pc > 0, pc + kern.kc >= k ? &last : nullptr);
+              panel_stride, pc > 0, finish && pc + kern.kc >= k ? &last : nullptr);
+      if (k > 0 && !finish) write_block(out, {acc, kern.nr, panel_stride}, ic, ic + mc, jc, nc);
     }
   }
 }
@@ -339,6 +348,7 @@ void run_item(const detail::GemmKernels& kern, const GemmOperand& a, const GemmO
   float* pb = pre.data ? nullptr : buf.b.get(static_cast<size_t>(panels_floats(kern, ceil_div(nc_max, kern.nr), kern.kc, kern.nr)));
   const int64_t panel_stride = rows * kern.nr;
   float* acc = buf.acc.get(static_cast<size_t>(rows * ceil_div(nc_max, kern.nr) * kern.nr));
+  const bool finish = finish_tiles(rows * ceil_div(nc_max, kern.nr) * kern.nr);
   for (int64_t jc = n0; jc < n1; jc += nc_max) {
     const int64_t nc = std::min(nc_max, n1 - jc);
     if (k == 0) {
@@ -355,9 +365,10 @@ void run_item(const detail::GemmKernels& kern, const GemmOperand& a, const GemmO
         kern.pack(a, ic, mc, pc, kc, kern.mr, pa, detail::PackNext::next_rows);
         const LastBlock last{&out, ic, jc};
         sweep(kern, pa, bp, mc, nc, kc, acc + (ic - m0) * kern.nr, panel_stride, pc > 0,
-              pc + kern.kc >= k ? &last : nullptr);
+              finish && pc + kern.kc >= k ? &last : nullptr);
       }
     }
+    if (k > 0 && !finish) write_block(out, {acc, kern.nr, panel_stride}, m0, m1, jc, nc);
   }
 }
 
