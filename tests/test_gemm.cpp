@@ -334,6 +334,18 @@ TEST(Gemm, BlockedDriversMatchOracle) {
   check_case_on_every_isa({Layout::nt, Fmt::bf16, Fmt::bf16, 230, 1400, 600, DType::bf16, CMode::separate, false}, seed++);
 }
 
+// Partial sums over 1 MiB (here 420 x 704 f32) go to D tile by tile during the last K block
+// (gemm.cpp: finish_tiles), C added and rounded as the whole-block write does. Several row
+// blocks (420 rows), K blocks (2100: two on AMX, nine on the FMA targets), a partial column
+// panel (N = 700), bf16 D with a separate bf16 C and f32 D accumulating in place.
+TEST(Gemm, TilesFinishedIntoDMatchOracle) {
+  ThreadGuard guard;
+  set_num_threads(1);
+  check_case_on_every_isa({Layout::nt, Fmt::bf16, Fmt::bf16, 420, 700, 2100, DType::bf16, CMode::separate, false}, 3100);
+  check_case_on_every_isa({Layout::nn, Fmt::fp8_token, Fmt::fp8_block, 420, 700, 2100, DType::f32, CMode::in_place, true},
+                          3101);
+}
+
 // A large-enough problem to take the multi-threaded, multi-block paths (several K blocks,
 // row and column blocks; short and long K); results must not depend on the thread count.
 // 150 x 16 x 1800 takes the general driver on one thread (150 rows) and the all-K driver on
