@@ -574,12 +574,40 @@ struct CodeTranspose {
   }
 };
 
+// Folded scales: shifts[s * 32 + r], the exponent of row r's scale for step s times 128 (what
+// adds it to a bf16 pattern), when every scale of rows [i0, i0 + rows) x K [k0, k0 + kc) is a
+// power of two from 2^-100 to 2^119 and scale groups are whole steps: then each scaled value
+// is its code's bf16 with the exponent moved, a bf16 normal (e4m3 magnitudes run from 2^-9
+// to 1.75 · 2^8), exactly what decoding to f32, scaling and taking the high half gives.
+bool step_shifts(const GemmOperand& op, int64_t i0, int rows, int64_t k0, int64_t kc, int16_t* shifts) {
+  if (op.gran_k % kStep != 0) return false;
+  const int64_t steps = step_count(kc);
+  for (int r = 0; r < rows; ++r) {
+    const void* sf_row = scale_row(op, i0 + r);
+    for (int64_t s = 0; s < steps; ++s) {
+      const uint32_t bits = std::bit_cast<uint32_t>(group_scale(op, sf_row, (k0 + s * kStep) / op.gran_k));
+      const int exponent = static_cast<int>((bits >> 23) & 0xff) - 127;
+      if ((bits & 0x807fffffu) != 0 || exponent < -100 || exponent > 119) return false;
+      shifts[s * kMr + r] = static_cast<int16_t>(exponent * 128);
+    }
+  }
+  return true;
+}
+
 // Tiles of steps [0, step_count(kc)) for rows [i0, i0 + rows) (zero past them and past kc)
-// into `data` (panel_steps layout).
+// into `data` (panel_steps layout); `shifts` (null: raw codes) as step_shifts gives them.
 __attribute__((target("avx512vbmi"))) void pack_e4m3_b_tiles(const GemmOperand& op, int64_t i0, int rows, int64_t k0,
-                                                            int64_t kc, uint8_t* data) {
+                                                            int64_t kc, const int16_t* shifts, uint8_t* data) {
   static const CodeTranspose t;
   static const E4m3ToBf16 decode;
+  // Word lane l of a tile row belongs to column l / 2.
+  static const __m512i column_of_lane = [] {
+    alignas(64) uint16_t idx[32];
+    for (int l = 0; l < 32; ++l) idx[l] = static_cast<uint16_t>(l / 2);
+    return _mm512_load_si512(idx);
+  }();
+  const __m512i magnitude = _mm512_set1_epi8(0x7f), one = _mm512_set1_epi8(1), top = _mm512_set1_epi8(0x7e);
+  const __m512i quiet_nan = _mm512_set1_epi16(0x7fc0);
   const uint8_t* src[kMr];
   for (int r = 0; r < kMr; ++r) src[r] = r < rows ? row_ptr(op, i0 + r) + k0 : nullptr;
   const int64_t steps = step_count(kc);
@@ -598,6 +626,10 @@ __attribute__((target("avx512vbmi"))) void pack_e4m3_b_tiles(const GemmOperand& 
       for (int i = 0; i < 4; ++i)
         for (int half = 0; half < 2; ++half) l1[half][i] = _mm512_permutex2var_epi8(z[2 * i], t.round1[half], z[2 * i + 1]);
       uint8_t* tile = data + (2 * s + h) * kTileBytes;
+      const __m512i shift =
+          shifts ? _mm512_permutexvar_epi16(column_of_lane, _mm512_castsi256_si512(_mm256_loadu_si256(
+                                                                reinterpret_cast<const __m256i*>(shifts + s * kMr + 16 * h))))
+                 : _mm512_setzero_si512();
       for (int half = 0; half < 2; ++half)
         for (int g = 0; g < 2; ++g) {
           const __m512i lower = _mm512_permutex2var_epi8(l1[half][0], t.round2[g], l1[half][1]);  // rows 0-7
@@ -605,7 +637,20 @@ __attribute__((target("avx512vbmi"))) void pack_e4m3_b_tiles(const GemmOperand& 
           for (int e = 0; e < 2; ++e) {
             const int q = 4 * half + 2 * g + e;
             __m512i v0, v1;
-            e4m3_block(decode, _mm512_permutex2var_epi8(lower, t.round3[e], upper), v0, v1);
+            const __m512i codes = _mm512_permutex2var_epi8(lower, t.round3[e], upper);
+            e4m3_block(decode, codes, v0, v1);
+            if (shifts) {
+              // Finite nonzero codes (magnitude 1 to 0x7e) take the scale's exponent; NaN codes
+              // of either sign give the positive quiet NaN, as decoding to f32 and scaling does
+              // (e4m3_block_by_tables alike).
+              const __m512i mag = _mm512_and_si512(codes, magnitude);
+              const __mmask64 scaled = _mm512_cmplt_epu8_mask(_mm512_sub_epi8(mag, one), top);
+              const __mmask64 nan = _mm512_cmpeq_epi8_mask(mag, magnitude);
+              v0 = _mm512_mask_add_epi16(v0, static_cast<__mmask32>(scaled), v0, shift);
+              v1 = _mm512_mask_add_epi16(v1, static_cast<__mmask32>(scaled >> 32), v1, shift);
+              v0 = _mm512_mask_mov_epi16(v0, static_cast<__mmask32>(nan), quiet_nan);
+              v1 = _mm512_mask_mov_epi16(v1, static_cast<__mmask32>(nan >> 32), quiet_nan);
+            }
             _mm512_storeu_si512(tile + (2 * q) * 64, v0);
             _mm512_storeu_si512(tile + (2 * q + 1) * 64, v1);
           }
@@ -693,9 +738,13 @@ void pack_panels(const GemmOperand& op, int64_t mn0, int64_t count, int64_t k0, 
     // step `step` bytes on, rows (or pairs) 16-31 `half` bytes on. K-major sources hold
     // operand rows (A tiles as they are, B tiles transposed); MN-major ones pair-major words
     // (B tiles as they are, A tiles transposed).
-    if (kB && op.k_major && op.dtype == DType::e4m3 && !values_to_pack(op).sf && cpu_features().avx512vbmi) {
-      pack_e4m3_b_tiles(op, mn0 + p0, rows, k0, kc, data);
-      continue;
+    if (kB && op.k_major && op.dtype == DType::e4m3 && cpu_features().avx512vbmi) {
+      alignas(64) static thread_local int16_t shifts[kMaxWords / (kStep / 2) * kMr];
+      const bool raw = !values_to_pack(op).sf;
+      if (raw || step_shifts(op, mn0 + p0, rows, k0, kc, shifts)) {
+        pack_e4m3_b_tiles(op, mn0 + p0, rows, k0, kc, raw ? nullptr : shifts, data);
+        continue;
+      }
     }
     const uint8_t* base;
     int64_t row, step, half;
