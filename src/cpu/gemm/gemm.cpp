@@ -5,7 +5,8 @@
 // the B block is packed once (decoded + scaled to f32); for each row block ic (mc tall)
 // the A block is packed; then micro-panels of B (L1) sweep micro-panels of A (L2).
 // Partial sums live in a per-thread f32 buffer of (rows of the item) x kNc, written to D
-// (adding C, rounding to bf16 if asked) when a column block is complete.
+// (adding C, rounding to bf16 if asked) when a column block is complete, or, where the
+// buffer is over 1 MiB, tile by tile as the last K block computes them (finish_tiles).
 //
 // Threads own disjoint rectangles of D ("items"), and every element is the same chain of
 // FMAs over fixed K blocks whatever the item, so results do not depend on the split.
@@ -164,17 +165,6 @@ void request_d(const Output& out, int64_t i0, int64_t rows, int64_t j0, int64_t 
   }
 }
 
-// Every tile of one row block x column block x K block: micro-panels of B (kept in L1)
-// sweep micro-panels of A (L2). Partial sums live tile-contiguous (panel-major, row stride
-// nr) so the sweep walks memory linearly; the buffer is larger than the caches, so the
-// next tile's sums are requested while this one computes.
-//
-// The last K block finishes each tile as it is computed (`last`: D's block at row i0, column
-// j0): the tile's sums, still in L1, go to D with C added and rounded, exactly as
-// write_block would have done later (the same bits), and a tile that starts from zero sums
-// into an L1 scratch rather than the buffer. Measured (AMX host, bf16 D 4096 x 7168 x 2048,
-// 2 threads): 87 -> 75 ms; write_block's second pass over a buffer of 29 MB per thread had
-// been 13 % of the call.
 // Whether the last K block finishes its tiles into D (sweep) for a partial-sum buffer of
 // `floats`: when the buffer is larger than L2, so that a second pass would read it from
 // further out. From L2, write_block's pass over whole rows was the faster one: bf16 D
@@ -182,12 +172,23 @@ void request_d(const Output& out, int64_t i0, int64_t rows, int64_t j0, int64_t 
 constexpr int64_t kFinishTilesAbove = int64_t{1} << 20;  // bytes
 bool finish_tiles(int64_t floats) { return floats * 4 > kFinishTilesAbove; }
 
+// Where the last K block's tiles go: D's block at row i0, column j0.
 struct LastBlock {
   const Output* out;
   int64_t i0, j0;
 };
 constexpr int64_t kMaxTileFloats = 32 * 32;  // the largest mr x nr of the targets
 
+// Every tile of one row block x column block x K block: micro-panels of B (kept in L1)
+// sweep micro-panels of A (L2). Partial sums live tile-contiguous (panel-major, row stride
+// nr) so the sweep walks memory linearly; the buffer is larger than the caches, so the
+// next tile's sums are requested while this one computes.
+//
+// Given `last`, each tile is finished as it is computed: its sums, still in L1, go to D with
+// C added and rounded, exactly as write_block would have done later (the same bits), and a
+// tile that starts from zero sums into an L1 scratch rather than the buffer. Measured (AMX
+// host, bf16 D 4096 x 7168 x 2048, 2 threads): 87 -> 75 ms; write_block's second pass over
+// a buffer of 29 MB per thread had been 13 % of the call.
 void sweep(const detail::GemmKernels& kern, const float* pa, const float* pb, int64_t mc, int64_t nc, int64_t kc,
            float* acc, int64_t panel_stride, bool accumulate, const LastBlock* last = nullptr) {
   if (kern.begin_tiles) kern.begin_tiles(false);  // a new A panel per tile
