@@ -334,6 +334,32 @@ TEST(Gemm, BlockedDriversMatchOracle) {
   check_case_on_every_isa({Layout::nt, Fmt::bf16, Fmt::bf16, 230, 1400, 600, DType::bf16, CMode::separate, false}, seed++);
 }
 
+// FP4 weights with an odd K end each stored row in a byte whose high nibble lies past K:
+// whatever it holds must not change the result, on every ISA path, raw (f32 scales,
+// promoted on AMX) and folded (ue8m0), through the blocked path (70 rows: B is packed).
+TEST(Gemm, Fp4PaddingNibbleIgnored) {
+  const int64_t m = 70, n = 40;
+  for (const bool ue8m0 : {false, true})
+    for (const int64_t k : {33, 301}) {
+      const Quantized qa = per_token_cast_to_fp8(random_bf16(m, k, 71), ue8m0, 32);
+      const Quantized qb = per_token_cast_to_fp4(random_bf16(n, k, 72), ue8m0, 32);
+      Tensor dirty = Tensor::empty(qb.values.shape(), qb.values.dtype());
+      dirty.copy_from(qb.values);
+      const int64_t bytes = dirty.size(1);
+      for (int64_t r = 0; r < n; ++r) dirty.data_ptr<uint8_t>()[r * bytes + bytes - 1] |= 0x70;  // code 7: 6.0
+      GemmOptions o;
+      o.recipe = Recipe{1, 1, 32};
+      for (const Isa isa : moekit::testing::gemm_isas()) {
+        ScopedIsa scoped(isa);
+        Tensor clean_d = Tensor::empty({m, n}, DType::f32), dirty_d = Tensor::empty({m, n}, DType::f32);
+        fp8_fp4_gemm_nt(qa, qb, clean_d, Tensor(), o);
+        fp8_fp4_gemm_nt(qa, {dirty, qb.sf}, dirty_d, Tensor(), o);
+        EXPECT_EQ(0, std::memcmp(clean_d.data(), dirty_d.data(), static_cast<size_t>(m * n) * 4))
+            << isa_name(isa) << ", k " << k << (ue8m0 ? ", ue8m0" : ", f32 scales");
+      }
+    }
+}
+
 // Partial sums over 1 MiB (here 420 x 704 f32) go to D tile by tile during the last K block
 // (gemm.cpp: finish_tiles), C added and rounded as the whole-block write does. Several row
 // blocks (420 rows), K blocks (2100: two on AMX, nine on the FMA targets), a partial column

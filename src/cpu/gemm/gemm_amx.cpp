@@ -577,10 +577,11 @@ struct CodeTranspose {
 
 // Folded scales: shifts[s * 32 + r], the exponent of row r's scale for step s times 128 (what
 // adds it to a bf16 pattern), when every scale of rows [i0, i0 + rows) x K [k0, k0 + kc) is a
-// power of two from 2^-100 to 2^119 and scale groups are whole steps: then each scaled value
-// is its code's bf16 with the exponent moved, a bf16 normal (e4m3 magnitudes run from 2^-9
-// to 1.75 · 2^8), exactly what decoding to f32, scaling and taking the high half gives.
-bool step_shifts(const GemmOperand& op, int64_t i0, int rows, int64_t k0, int64_t kc, int16_t* shifts) {
+// power of two from 2^-100 to 2^highest and scale groups are whole steps: then each scaled
+// value is its code's bf16 with the exponent moved, a bf16 normal (e4m3 magnitudes run from
+// 2^-9 to 1.75 · 2^8: highest 119; e2m1 from 0.5 to 6: 120), exactly what decoding to f32,
+// scaling and taking the high half gives.
+bool step_shifts(const GemmOperand& op, int64_t i0, int rows, int64_t k0, int64_t kc, int highest, int16_t* shifts) {
   if (op.gran_k % kStep != 0) return false;
   const int64_t steps = step_count(kc);
   for (int r = 0; r < rows; ++r) {
@@ -588,7 +589,7 @@ bool step_shifts(const GemmOperand& op, int64_t i0, int rows, int64_t k0, int64_
     for (int64_t s = 0; s < steps; ++s) {
       const uint32_t bits = std::bit_cast<uint32_t>(group_scale(op, sf_row, (k0 + s * kStep) / op.gran_k));
       const int exponent = static_cast<int>((bits >> 23) & 0xff) - 127;
-      if ((bits & 0x807fffffu) != 0 || exponent < -100 || exponent > 119) return false;
+      if ((bits & 0x807fffffu) != 0 || exponent < -100 || exponent > highest) return false;
       shifts[s * kMr + r] = static_cast<int16_t>(exponent * 128);
     }
   }
@@ -654,6 +655,106 @@ __attribute__((target("avx512vbmi"))) void pack_e4m3_b_tiles(const GemmOperand& 
             }
             _mm512_storeu_si512(tile + (2 * q) * 64, v0);
             _mm512_storeu_si512(tile + (2 * q + 1) * 64, v1);
+          }
+        }
+    }
+  }
+}
+
+// The same for K-major e2m1 B (two codes a byte, low nibble first: a byte is one K pair, so
+// a step of a source row is 16 bytes and a B tile row is one byte of each of 16 rows): the
+// step's 16 x 16 bytes are transposed in two rounds of vpermt2b over registers holding four
+// rows each (O[q]: tile rows 4q..4q+3), then each tile row's 16 bytes become 32-bit lanes
+// b | b << 12, whose words index a 16-entry bf16 table by the two nibbles (vpermw; the table
+// is doubled, as e2m1_rows_to_bf16's, since bit 4 of the low word's index is the other
+// nibble's). Folded scales add their exponent to nonzero values.
+struct NibbleTranspose {
+  __m512i round1[2], round2[2];
+  // Byte t of O[q] as (source row, byte): tile row p = 4q + t / 16 holds byte p of row t % 16.
+  static std::pair<int, int> final_byte(int q, int t) { return {t % 16, 4 * q + t / 16}; }
+  static std::vector<std::pair<int, int>> content(int q0, int count, int r0, int rows) {
+    std::vector<std::pair<int, int>> bytes;
+    for (int q = q0; q < q0 + count; ++q)
+      for (int t = 0; t < 64; ++t) {
+        const auto b = final_byte(q, t);
+        if (b.first >= r0 && b.first < r0 + rows) bytes.push_back(b);
+      }
+    return bytes;
+  }
+  NibbleTranspose() {
+    // Loaded register i: rows 4i..4i+3, 16 bytes each.
+    auto loaded = [](int i) {
+      std::vector<std::pair<int, int>> bytes;
+      for (int t = 0; t < 64; ++t) bytes.push_back({4 * i + t / 16, t % 16});
+      return bytes;
+    };
+    for (int h = 0; h < 2; ++h) round1[h] = CodeTranspose::indices(content(2 * h, 2, 0, 8), loaded(0), loaded(1));
+    for (int e = 0; e < 2; ++e) round2[e] = CodeTranspose::indices(content(e, 1, 0, 16), content(0, 2, 0, 8), content(0, 2, 8, 8));
+  }
+};
+
+__attribute__((target("avx512vbmi"))) void pack_e2m1_b_tiles(const GemmOperand& op, int64_t i0, int rows, int64_t k0,
+                                                            int64_t kc, const int16_t* shifts, uint8_t* data) {
+  static const NibbleTranspose t;
+  static const __m512i table = [] {
+    alignas(64) uint16_t v[32] = {};
+    for (int c = 0; c < 32; ++c) v[c] = static_cast<uint16_t>(std::bit_cast<uint32_t>(tables().e2m1[c % 16]) >> 16);
+    return _mm512_load_si512(v);
+  }();
+  // Tile row j of O: its 16 bytes zero-extended to 32-bit lanes (vpermb index j, kept
+  // bytes 0x1111...).
+  struct Spread {
+    __m512i idx[4];
+    Spread() {
+      for (int j = 0; j < 4; ++j) {
+        alignas(64) uint8_t v[64];
+        for (int b = 0; b < 64; ++b) v[b] = static_cast<uint8_t>(16 * j + b / 4);
+        idx[j] = _mm512_load_si512(v);
+      }
+    }
+  };
+  static const Spread spread;
+  static const __m512i column_of_lane = [] {
+    alignas(64) uint16_t idx[32];
+    for (int l = 0; l < 32; ++l) idx[l] = static_cast<uint16_t>(l / 2);
+    return _mm512_load_si512(idx);
+  }();
+  const __m512i magnitude = _mm512_set1_epi16(0x7fff);
+  const uint8_t* src[kMr];
+  for (int r = 0; r < kMr; ++r) src[r] = r < rows ? row_ptr(op, i0 + r) + k0 / 2 : nullptr;
+  const int64_t steps = step_count(kc);
+  for (int64_t s = 0; s < steps; ++s) {
+    // The step's bytes. An odd K ends in a byte whose high nibble lies past it: that value
+    // (finite, e2m1 has no NaN or inf) meets A's zero padding, so it adds nothing.
+    const int64_t len = (std::min<int64_t>(kStep, kc - s * kStep) + 1) / 2;
+    const __mmask16 valid = len >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << len) - 1);
+    for (int h = 0; h < 2; ++h) {
+      __m512i z[4];
+      for (int i = 0; i < 4; ++i) {
+        __m512i v = _mm512_setzero_si512();
+        for (int r = 0; r < 4; ++r) {
+          const uint8_t* row = src[16 * h + 4 * i + r];
+          if (row) v = _mm512_inserti32x4(v, _mm_maskz_loadu_epi8(valid, row + s * (kStep / 2)), r);
+        }
+        z[i] = v;
+      }
+      __m512i l1[2][2];
+      for (int j = 0; j < 2; ++j)
+        for (int half = 0; half < 2; ++half) l1[half][j] = _mm512_permutex2var_epi8(z[2 * j], t.round1[half], z[2 * j + 1]);
+      uint8_t* tile = data + (2 * s + h) * kTileBytes;
+      const __m512i shift =
+          shifts ? _mm512_permutexvar_epi16(column_of_lane, _mm512_castsi256_si512(_mm256_loadu_si256(
+                                                                reinterpret_cast<const __m256i*>(shifts + s * kMr + 16 * h))))
+                 : _mm512_setzero_si512();
+      for (int half = 0; half < 2; ++half)
+        for (int e = 0; e < 2; ++e) {
+          const int q = 2 * half + e;
+          const __m512i codes = _mm512_permutex2var_epi8(l1[half][0], t.round2[e], l1[half][1]);
+          for (int j = 0; j < 4; ++j) {
+            const __m512i bytes = _mm512_maskz_permutexvar_epi8(0x1111111111111111ull, spread.idx[j], codes);
+            __m512i v = _mm512_permutexvar_epi16(_mm512_or_si512(bytes, _mm512_slli_epi32(bytes, 12)), table);
+            if (shifts) v = _mm512_mask_add_epi16(v, _mm512_test_epi16_mask(v, magnitude), v, shift);
+            _mm512_storeu_si512(tile + (4 * q + j) * 64, v);
           }
         }
     }
@@ -742,8 +843,16 @@ void pack_panels(const GemmOperand& op, int64_t mn0, int64_t count, int64_t k0, 
     if (kB && op.k_major && op.dtype == DType::e4m3 && cpu_features().avx512vbmi) {
       alignas(64) static thread_local int16_t shifts[kMaxWords / (kStep / 2) * kMr];
       const bool raw = !values_to_pack(op).sf;
-      if (raw || step_shifts(op, mn0 + p0, rows, k0, kc, shifts)) {
+      if (raw || step_shifts(op, mn0 + p0, rows, k0, kc, 119, shifts)) {
         pack_e4m3_b_tiles(op, mn0 + p0, rows, k0, kc, raw ? nullptr : shifts, data);
+        continue;
+      }
+    }
+    if (kB && op.k_major && op.dtype == DType::e2m1x2 && cpu_features().avx512vbmi) {
+      alignas(64) static thread_local int16_t shifts[kMaxWords / (kStep / 2) * kMr];
+      const bool raw = !values_to_pack(op).sf;
+      if (raw || step_shifts(op, mn0 + p0, rows, k0, kc, 120, shifts)) {
+        pack_e2m1_b_tiles(op, mn0 + p0, rows, k0, kc, raw ? nullptr : shifts, data);
         continue;
       }
     }
