@@ -534,6 +534,32 @@ bool plain_bf16(const GemmOperand& op) { return op.dtype == DType::bf16 && !op.s
 // bytes for O[4 half + 2g] and O[4 half + 2g + 1]); round 3 all 16 rows into O[4 half + 2g + e].
 // Seen from the pair of registers merged, the permutations depend only on half, g and e, so
 // six index vectors serve every register.
+// The bytes of final registers [q0, q0 + count) that come from source rows [r0, r0 + rows),
+// in the registers' order; final_byte(q, t) is byte t of register q as (source row, byte).
+std::vector<std::pair<int, int>> bytes_from_rows(std::pair<int, int> (*final_byte)(int, int), int q0, int count, int r0,
+                                                 int rows) {
+  std::vector<std::pair<int, int>> bytes;
+  for (int q = q0; q < q0 + count; ++q)
+    for (int t = 0; t < 64; ++t) {
+      const auto b = final_byte(q, t);
+      if (b.first >= r0 && b.first < r0 + rows) bytes.push_back(b);
+    }
+  return bytes;
+}
+
+// Folded scales of a B tile (step s, columns 16h..16h+15) as the 32 word lanes of its rows:
+// lane l belongs to column l / 2 (zero without shifts).
+__attribute__((target("avx512bw"))) inline __m512i tile_shifts(const int16_t* shifts, int64_t s, int h) {
+  static const __m512i column_of_lane = [] {
+    alignas(64) uint16_t idx[32];
+    for (int l = 0; l < 32; ++l) idx[l] = static_cast<uint16_t>(l / 2);
+    return _mm512_load_si512(idx);
+  }();
+  if (!shifts) return _mm512_setzero_si512();
+  const __m256i columns = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(shifts + s * kMr + 16 * h));
+  return _mm512_permutexvar_epi16(column_of_lane, _mm512_castsi256_si512(columns));
+}
+
 struct CodeTranspose {
   __m512i round1[2], round2[2], round3[2];
   // Byte t of O[q] as (source row, code): tile row p = 2q + t / 32 holds, for column c =
@@ -542,15 +568,8 @@ struct CodeTranspose {
     const int p = 2 * q + t / 32, column = (t % 32) / 2;
     return {column, 2 * p + t % 2};
   }
-  // The bytes of outputs [q0, q0 + count) that come from rows [r0, r0 + rows), in output order.
   static std::vector<std::pair<int, int>> content(int q0, int count, int r0, int rows) {
-    std::vector<std::pair<int, int>> bytes;
-    for (int q = q0; q < q0 + count; ++q)
-      for (int t = 0; t < 64; ++t) {
-        const auto b = final_byte(q, t);
-        if (b.first >= r0 && b.first < r0 + rows) bytes.push_back(b);
-      }
-    return bytes;
+    return bytes_from_rows(&final_byte, q0, count, r0, rows);
   }
   // vpermt2b indices that build `want` from registers `lo` (0-63) and `hi` (64-127).
   static __m512i indices(const std::vector<std::pair<int, int>>& want, const std::vector<std::pair<int, int>>& lo,
@@ -602,12 +621,6 @@ __attribute__((target("avx512vbmi"))) void pack_e4m3_b_tiles(const GemmOperand& 
                                                             int64_t kc, const int16_t* shifts, uint8_t* data) {
   static const CodeTranspose t;
   static const E4m3ToBf16 decode;
-  // Word lane l of a tile row belongs to column l / 2.
-  static const __m512i column_of_lane = [] {
-    alignas(64) uint16_t idx[32];
-    for (int l = 0; l < 32; ++l) idx[l] = static_cast<uint16_t>(l / 2);
-    return _mm512_load_si512(idx);
-  }();
   const __m512i magnitude = _mm512_set1_epi8(0x7f), one = _mm512_set1_epi8(1), top = _mm512_set1_epi8(0x7e);
   const __m512i quiet_nan = _mm512_set1_epi16(0x7fc0);
   const uint8_t* src[kMr];
@@ -628,10 +641,7 @@ __attribute__((target("avx512vbmi"))) void pack_e4m3_b_tiles(const GemmOperand& 
       for (int i = 0; i < 4; ++i)
         for (int half = 0; half < 2; ++half) l1[half][i] = _mm512_permutex2var_epi8(z[2 * i], t.round1[half], z[2 * i + 1]);
       uint8_t* tile = data + (2 * s + h) * kTileBytes;
-      const __m512i shift =
-          shifts ? _mm512_permutexvar_epi16(column_of_lane, _mm512_castsi256_si512(_mm256_loadu_si256(
-                                                                reinterpret_cast<const __m256i*>(shifts + s * kMr + 16 * h))))
-                 : _mm512_setzero_si512();
+      const __m512i shift = tile_shifts(shifts, s, h);
       for (int half = 0; half < 2; ++half)
         for (int g = 0; g < 2; ++g) {
           const __m512i lower = _mm512_permutex2var_epi8(l1[half][0], t.round2[g], l1[half][1]);  // rows 0-7
@@ -673,13 +683,7 @@ struct NibbleTranspose {
   // Byte t of O[q] as (source row, byte): tile row p = 4q + t / 16 holds byte p of row t % 16.
   static std::pair<int, int> final_byte(int q, int t) { return {t % 16, 4 * q + t / 16}; }
   static std::vector<std::pair<int, int>> content(int q0, int count, int r0, int rows) {
-    std::vector<std::pair<int, int>> bytes;
-    for (int q = q0; q < q0 + count; ++q)
-      for (int t = 0; t < 64; ++t) {
-        const auto b = final_byte(q, t);
-        if (b.first >= r0 && b.first < r0 + rows) bytes.push_back(b);
-      }
-    return bytes;
+    return bytes_from_rows(&final_byte, q0, count, r0, rows);
   }
   NibbleTranspose() {
     // Loaded register i: rows 4i..4i+3, 16 bytes each.
@@ -714,11 +718,6 @@ __attribute__((target("avx512vbmi"))) void pack_e2m1_b_tiles(const GemmOperand& 
     }
   };
   static const Spread spread;
-  static const __m512i column_of_lane = [] {
-    alignas(64) uint16_t idx[32];
-    for (int l = 0; l < 32; ++l) idx[l] = static_cast<uint16_t>(l / 2);
-    return _mm512_load_si512(idx);
-  }();
   const __m512i magnitude = _mm512_set1_epi16(0x7fff);
   const uint8_t* src[kMr];
   for (int r = 0; r < kMr; ++r) src[r] = r < rows ? row_ptr(op, i0 + r) + k0 / 2 : nullptr;
@@ -742,10 +741,7 @@ __attribute__((target("avx512vbmi"))) void pack_e2m1_b_tiles(const GemmOperand& 
       for (int j = 0; j < 2; ++j)
         for (int half = 0; half < 2; ++half) l1[half][j] = _mm512_permutex2var_epi8(z[2 * j], t.round1[half], z[2 * j + 1]);
       uint8_t* tile = data + (2 * s + h) * kTileBytes;
-      const __m512i shift =
-          shifts ? _mm512_permutexvar_epi16(column_of_lane, _mm512_castsi256_si512(_mm256_loadu_si256(
-                                                                reinterpret_cast<const __m256i*>(shifts + s * kMr + 16 * h))))
-                 : _mm512_setzero_si512();
+      const __m512i shift = tile_shifts(shifts, s, h);
       for (int half = 0; half < 2; ++half)
         for (int e = 0; e < 2; ++e) {
           const int q = 2 * half + e;
@@ -840,19 +836,12 @@ void pack_panels(const GemmOperand& op, int64_t mn0, int64_t count, int64_t k0, 
     // step `step` bytes on, rows (or pairs) 16-31 `half` bytes on. K-major sources hold
     // operand rows (A tiles as they are, B tiles transposed); MN-major ones pair-major words
     // (B tiles as they are, A tiles transposed).
-    if (kB && op.k_major && op.dtype == DType::e4m3 && cpu_features().avx512vbmi) {
+    // K-major FP8 / FP4 B: tiles straight from the codes where the scales allow.
+    if (kB && op.k_major && (op.dtype == DType::e4m3 || op.dtype == DType::e2m1x2) && cpu_features().avx512vbmi) {
       alignas(64) static thread_local int16_t shifts[kMaxWords / (kStep / 2) * kMr];
-      const bool raw = !values_to_pack(op).sf;
-      if (raw || step_shifts(op, mn0 + p0, rows, k0, kc, 119, shifts)) {
-        pack_e4m3_b_tiles(op, mn0 + p0, rows, k0, kc, raw ? nullptr : shifts, data);
-        continue;
-      }
-    }
-    if (kB && op.k_major && op.dtype == DType::e2m1x2 && cpu_features().avx512vbmi) {
-      alignas(64) static thread_local int16_t shifts[kMaxWords / (kStep / 2) * kMr];
-      const bool raw = !values_to_pack(op).sf;
-      if (raw || step_shifts(op, mn0 + p0, rows, k0, kc, 120, shifts)) {
-        pack_e2m1_b_tiles(op, mn0 + p0, rows, k0, kc, raw ? nullptr : shifts, data);
+      const bool e4m3 = op.dtype == DType::e4m3, raw = !values_to_pack(op).sf;
+      if (raw || step_shifts(op, mn0 + p0, rows, k0, kc, e4m3 ? 119 : 120, shifts)) {
+        (e4m3 ? pack_e4m3_b_tiles : pack_e2m1_b_tiles)(op, mn0 + p0, rows, k0, kc, raw ? nullptr : shifts, data);
         continue;
       }
     }
