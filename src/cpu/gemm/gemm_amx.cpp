@@ -730,12 +730,13 @@ __attribute__((target("avx512vbmi"))) void pack_e2m1_b_tiles(const GemmOperand& 
     for (int h = 0; h < 2; ++h) {
       __m512i z[4];
       for (int i = 0; i < 4; ++i) {
-        __m512i v = _mm512_setzero_si512();
-        for (int r = 0; r < 4; ++r) {
-          const uint8_t* row = src[16 * h + 4 * i + r];
-          if (row) v = _mm512_inserti32x4(v, _mm_maskz_loadu_epi8(valid, row + s * (kStep / 2)), r);
-        }
-        z[i] = v;
+        auto row = [&](int r) {
+          const uint8_t* p = src[16 * h + 4 * i + r];
+          return p ? _mm_maskz_loadu_epi8(valid, p + s * (kStep / 2)) : _mm_setzero_si128();
+        };
+        // (insert positions spelled out: they must be immediates at every optimisation level)
+        const __m512i two = _mm512_inserti32x4(_mm512_castsi128_si512(row(0)), row(1), 1);
+        z[i] = _mm512_inserti32x4(_mm512_inserti32x4(two, row(2), 2), row(3), 3);
       }
       __m512i l1[2][2];
       for (int j = 0; j < 2; ++j)
