@@ -4,9 +4,9 @@
 // flag that publishes them.
 #pragma once
 
-#include <cstddef>
 #include <xmmintrin.h>
 
+#include <cstddef>
 #include <cstdint>
 
 #include "core/stream_copy.h"

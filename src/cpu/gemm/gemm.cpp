@@ -319,16 +319,13 @@ void run_all_k_item(const detail::GemmKernels& kern, const GemmOperand& a, const
                      out.c != nullptr);
         continue;
       }
-      if (k == 0) {
-        std::fill(acc, acc + mc * nc_pad, 0.0f);
-        write_block(out, {acc, kern.nr, panel_stride}, ic, ic + mc, jc, nc);
-      }
+      if (k == 0) std::fill(acc, acc + mc * nc_pad, 0.0f);
       const LastBlock last{&out, ic, jc};
-      const bool finish = finish_tiles(mc * nc_pad);
+      const bool finish = k > 0 && finish_tiles(mc * nc_pad);  // (else the block is written below)
       for (int64_t pc = 0; pc < k; pc += kern.kc)
         sweep(kern, pa + (pc / kern.kc) * a_block, b_at(pc), mc, nc, std::min(kern.kc, k - pc), acc,
               panel_stride, pc > 0, finish && pc + kern.kc >= k ? &last : nullptr);
-      if (k > 0 && !finish) write_block(out, {acc, kern.nr, panel_stride}, ic, ic + mc, jc, nc);
+      if (!finish) write_block(out, {acc, kern.nr, panel_stride}, ic, ic + mc, jc, nc);
     }
   }
 }
@@ -349,13 +346,10 @@ void run_item(const detail::GemmKernels& kern, const GemmOperand& a, const GemmO
   float* pb = pre.data ? nullptr : buf.b.get(static_cast<size_t>(panels_floats(kern, ceil_div(nc_max, kern.nr), kern.kc, kern.nr)));
   const int64_t panel_stride = rows * kern.nr;
   float* acc = buf.acc.get(static_cast<size_t>(rows * ceil_div(nc_max, kern.nr) * kern.nr));
-  const bool finish = finish_tiles(rows * ceil_div(nc_max, kern.nr) * kern.nr);
+  const bool finish = k > 0 && finish_tiles(rows * ceil_div(nc_max, kern.nr) * kern.nr);
   for (int64_t jc = n0; jc < n1; jc += nc_max) {
     const int64_t nc = std::min(nc_max, n1 - jc);
-    if (k == 0) {
-      std::fill(acc, acc + rows * ceil_div(nc_max, kern.nr) * kern.nr, 0.0f);
-      write_block(out, {acc, kern.nr, panel_stride}, m0, m1, jc, nc);
-    }
+    if (k == 0) std::fill(acc, acc + rows * ceil_div(nc_max, kern.nr) * kern.nr, 0.0f);
     for (int64_t pc = 0; pc < k; pc += kern.kc) {
       const int64_t kc = std::min(kern.kc, k - pc);
       const float* bp = pb;
@@ -369,7 +363,7 @@ void run_item(const detail::GemmKernels& kern, const GemmOperand& a, const GemmO
               finish && pc + kern.kc >= k ? &last : nullptr);
       }
     }
-    if (k > 0 && !finish) write_block(out, {acc, kern.nr, panel_stride}, m0, m1, jc, nc);
+    if (!finish) write_block(out, {acc, kern.nr, panel_stride}, m0, m1, jc, nc);
   }
 }
 

@@ -338,6 +338,16 @@ __attribute__((target("avx512bw,avx512vbmi,gfni"))) int e4m3_chunk_to_bf16(const
   return by_tables;
 }
 
+// A folded scale's shift: its exponent times 128 (what adds it to a bf16 pattern), when it
+// is a power of two from 2^lowest to 2^highest; false otherwise.
+inline bool exponent_shift(float scale, int lowest, int highest, int16_t& shift) {
+  const uint32_t bits = std::bit_cast<uint32_t>(scale);
+  const int exponent = static_cast<int>((bits >> 23) & 0xff) - 127;
+  if ((bits & 0x807fffffu) != 0 || exponent < lowest || exponent > highest) return false;
+  shift = static_cast<int16_t>(exponent * 128);
+  return true;
+}
+
 // chunk_shifts for one scale per 32 stored contiguously (FP4's recipe): a row's 8 scales
 // at once, f32 or packed ue8m0 (byte g of the row is group g's exponent).
 __attribute__((target("avx512bw,avx512vl"))) bool chunk_shifts_per_32(const GemmOperand& op, const void* const* sf_rows,
@@ -401,10 +411,7 @@ bool chunk_shifts(const GemmOperand& op, const void* const* sf_rows, int rows, i
           shifts[g] = shifts[g - 1];
           continue;
         }
-        const uint32_t bits = std::bit_cast<uint32_t>(group_scale(op, sf_row, group[g]));
-        const int32_t exponent = static_cast<int32_t>((bits >> 23) & 0xff) - 127;
-        if ((bits & 0x807fffffu) != 0 || exponent < lowest || exponent > highest) return false;
-        shifts[g] = static_cast<int16_t>(exponent * 128);
+        if (!exponent_shift(group_scale(op, sf_row, group[g]), lowest, highest, shifts[g])) return false;
       }
       // (set from values, not loaded back from the array: a load right after those stores
       // waits for them)
@@ -520,20 +527,6 @@ void transpose16(const uint8_t* src, int64_t stride, uint32_t* dst) {
 
 bool plain_bf16(const GemmOperand& op) { return op.dtype == DType::bf16 && !op.sf; }
 
-// B tiles of a K-major operand of raw e4m3 codes, straight from the codes. A B tile of one
-// step is pair-major (tile row p: columns 0-15, each as the bf16 of codes 2p and 2p + 1), so
-// the step's 16 source rows of 32 codes are transposed as 16-bit code pairs, in three rounds
-// of byte permutations over registers holding two rows each, and only then decoded, 64 codes
-// (two tile rows) at a time. Against decoding the rows into a buffer and transposing their
-// 32-bit words (transpose16), it takes a third fewer shuffles and no round trip through L2
-// (a block's 32 decoded rows of 2048 are 128 KiB).
-//
-// Register contents are lists of (source row, code) bytes. The final register O[q] holds tile
-// rows 2q and 2q + 1; round 1 merges source rows 4i..4i+3 into two registers, `half` 0 and 1
-// holding the bytes for O[4 half .. 4 half + 3]; round 2 rows 8j..8j+7 into quarters g (the
-// bytes for O[4 half + 2g] and O[4 half + 2g + 1]); round 3 all 16 rows into O[4 half + 2g + e].
-// Seen from the pair of registers merged, the permutations depend only on half, g and e, so
-// six index vectors serve every register.
 // The bytes of final registers [q0, q0 + count) that come from source rows [r0, r0 + rows),
 // in the registers' order; final_byte(q, t) is byte t of register q as (source row, byte).
 std::vector<std::pair<int, int>> bytes_from_rows(std::pair<int, int> (*final_byte)(int, int), int q0, int count, int r0,
@@ -560,6 +553,31 @@ __attribute__((target("avx512bw"))) inline __m512i tile_shifts(const int16_t* sh
   return _mm512_permutexvar_epi16(column_of_lane, _mm512_castsi256_si512(columns));
 }
 
+// vpermt2b indices that build `want` from registers `lo` (0-63) and `hi` (64-127).
+__m512i merge_indices(const std::vector<std::pair<int, int>>& want, const std::vector<std::pair<int, int>>& lo,
+                      const std::vector<std::pair<int, int>>& hi) {
+  alignas(64) uint8_t idx[64];
+  for (int t = 0; t < 64; ++t) {
+    const auto in_lo = std::find(lo.begin(), lo.end(), want[t]), in_hi = std::find(hi.begin(), hi.end(), want[t]);
+    idx[t] = static_cast<uint8_t>(in_lo != lo.end() ? in_lo - lo.begin() : 64 + (in_hi - hi.begin()));
+  }
+  return _mm512_load_si512(idx);
+}
+
+// B tiles of a K-major operand of raw e4m3 codes, straight from the codes. A B tile of one
+// step is pair-major (tile row p: columns 0-15, each as the bf16 of codes 2p and 2p + 1), so
+// the step's 16 source rows of 32 codes are transposed as 16-bit code pairs, in three rounds
+// of byte permutations over registers holding two rows each, and only then decoded, 64 codes
+// (two tile rows) at a time. Against decoding the rows into a buffer and transposing their
+// 32-bit words (transpose16), it takes a third fewer shuffles and no round trip through L2
+// (a block's 32 decoded rows of 2048 are 128 KiB).
+//
+// Register contents are lists of (source row, code) bytes. The final register O[q] holds tile
+// rows 2q and 2q + 1; round 1 merges source rows 4i..4i+3 into two registers, `half` 0 and 1
+// holding the bytes for O[4 half .. 4 half + 3]; round 2 rows 8j..8j+7 into quarters g (the
+// bytes for O[4 half + 2g] and O[4 half + 2g + 1]); round 3 all 16 rows into O[4 half + 2g + e].
+// Seen from the pair of registers merged, the permutations depend only on half, g and e, so
+// six index vectors serve every register.
 struct CodeTranspose {
   __m512i round1[2], round2[2], round3[2];
   // Byte t of O[q] as (source row, code): tile row p = 2q + t / 32 holds, for column c =
@@ -571,16 +589,6 @@ struct CodeTranspose {
   static std::vector<std::pair<int, int>> content(int q0, int count, int r0, int rows) {
     return bytes_from_rows(&final_byte, q0, count, r0, rows);
   }
-  // vpermt2b indices that build `want` from registers `lo` (0-63) and `hi` (64-127).
-  static __m512i indices(const std::vector<std::pair<int, int>>& want, const std::vector<std::pair<int, int>>& lo,
-                         const std::vector<std::pair<int, int>>& hi) {
-    alignas(64) uint8_t idx[64];
-    for (int t = 0; t < 64; ++t) {
-      const auto in_lo = std::find(lo.begin(), lo.end(), want[t]), in_hi = std::find(hi.begin(), hi.end(), want[t]);
-      idx[t] = static_cast<uint8_t>(in_lo != lo.end() ? in_lo - lo.begin() : 64 + (in_hi - hi.begin()));
-    }
-    return _mm512_load_si512(idx);
-  }
   CodeTranspose() {
     // Loaded register i: row 2i in bytes 0-31, row 2i + 1 in 32-63.
     auto loaded = [](int i) {
@@ -588,9 +596,9 @@ struct CodeTranspose {
       for (int t = 0; t < 64; ++t) bytes.push_back({2 * i + t / 32, t % 32});
       return bytes;
     };
-    for (int h = 0; h < 2; ++h) round1[h] = indices(content(4 * h, 4, 0, 4), loaded(0), loaded(1));
-    for (int g = 0; g < 2; ++g) round2[g] = indices(content(2 * g, 2, 0, 8), content(0, 4, 0, 4), content(0, 4, 4, 4));
-    for (int e = 0; e < 2; ++e) round3[e] = indices(content(e, 1, 0, 16), content(0, 2, 0, 8), content(0, 2, 8, 8));
+    for (int h = 0; h < 2; ++h) round1[h] = merge_indices(content(4 * h, 4, 0, 4), loaded(0), loaded(1));
+    for (int g = 0; g < 2; ++g) round2[g] = merge_indices(content(2 * g, 2, 0, 8), content(0, 4, 0, 4), content(0, 4, 4, 4));
+    for (int e = 0; e < 2; ++e) round3[e] = merge_indices(content(e, 1, 0, 16), content(0, 2, 0, 8), content(0, 2, 8, 8));
   }
 };
 
@@ -600,16 +608,26 @@ struct CodeTranspose {
 // value is its code's bf16 with the exponent moved, a bf16 normal (e4m3 magnitudes run from
 // 2^-9 to 1.75 · 2^8: highest 119; e2m1 from 0.5 to 6: 120), exactly what decoding to f32,
 // scaling and taking the high half gives.
+// (Rows of one row of scales, as the 32 rows of a 128 x 128 FP8 block, copy the row before;
+// a scale is looked up once per group, and the group is counted, not divided for: two
+// divisions per step had made FP4 128 x 7168 x 16384 10-15 % slower.)
 bool step_shifts(const GemmOperand& op, int64_t i0, int rows, int64_t k0, int64_t kc, int highest, int16_t* shifts) {
   if (op.gran_k % kStep != 0) return false;
-  const int64_t steps = step_count(kc);
+  const int64_t steps = step_count(kc), first_group = k0 / op.gran_k, first_within = k0 % op.gran_k;
+  const void* previous = nullptr;
   for (int r = 0; r < rows; ++r) {
     const void* sf_row = scale_row(op, i0 + r);
-    for (int64_t s = 0; s < steps; ++s) {
-      const uint32_t bits = std::bit_cast<uint32_t>(group_scale(op, sf_row, (k0 + s * kStep) / op.gran_k));
-      const int exponent = static_cast<int>((bits >> 23) & 0xff) - 127;
-      if ((bits & 0x807fffffu) != 0 || exponent < -100 || exponent > highest) return false;
-      shifts[s * kMr + r] = static_cast<int16_t>(exponent * 128);
+    if (sf_row == previous) {
+      for (int64_t s = 0; s < steps; ++s) shifts[s * kMr + r] = shifts[s * kMr + r - 1];
+      continue;
+    }
+    previous = sf_row;
+    int16_t shift = 0;
+    for (int64_t s = 0, group = first_group, within = first_within; s < steps; ++s) {
+      if ((s == 0 || within == 0) && !exponent_shift(group_scale(op, sf_row, group), -100, highest, shift)) return false;
+      shifts[s * kMr + r] = shift;
+      within += kStep;
+      if (within == op.gran_k) within = 0, ++group;
     }
   }
   return true;
@@ -692,8 +710,8 @@ struct NibbleTranspose {
       for (int t = 0; t < 64; ++t) bytes.push_back({4 * i + t / 16, t % 16});
       return bytes;
     };
-    for (int h = 0; h < 2; ++h) round1[h] = CodeTranspose::indices(content(2 * h, 2, 0, 8), loaded(0), loaded(1));
-    for (int e = 0; e < 2; ++e) round2[e] = CodeTranspose::indices(content(e, 1, 0, 16), content(0, 2, 0, 8), content(0, 2, 8, 8));
+    for (int h = 0; h < 2; ++h) round1[h] = merge_indices(content(2 * h, 2, 0, 8), loaded(0), loaded(1));
+    for (int e = 0; e < 2; ++e) round2[e] = merge_indices(content(e, 1, 0, 16), content(0, 2, 0, 8), content(0, 2, 8, 8));
   }
 };
 
