@@ -10,6 +10,7 @@
 
 namespace moekit::detail {
 
+constexpr int kAmaxRows = 4;  // rows per amax_accumulate_bf16 call at most
 enum class Narrow { e4m3 = 0, e5m2 = 1, e2m1 = 2 };  // e2m1 rows are packed two per byte
 enum class Wide { f32 = 0, bf16 = 1 };                // element type of the wide side
 
@@ -33,9 +34,10 @@ struct FormatKernels {
   void (*amax_groups[2])(const void* x, int64_t n, int64_t gran, float* out);
   // acc[i] = max(acc[i], |x[i]|).
   void (*amax_accumulate[2])(const void* x, int64_t n, float* acc);
-  // The same for bf16 x on |x| bf16 bit patterns (acc[i] << 16 is amax_accumulate's float);
-  // null on targets without a faster 16-bit kernel.
-  void (*amax_accumulate_bf16)(const uint16_t* x, int64_t n, uint16_t* acc);
+  // The same for bf16 x on |x| bf16 bit patterns (acc[i] << 16 is amax_accumulate's float),
+  // over `rows` rows (1 to kAmaxRows) `stride` elements apart: acc[i] = max(acc[i], |x[r ·
+  // stride + i]|); null on targets without a faster 16-bit kernel.
+  void (*amax_accumulate_bf16)(const uint16_t* x, int64_t stride, int rows, int64_t n, uint16_t* acc);
   // out = in reordered for quantize's per-element reciprocals (inv, below); n elements; out
   // may be in.
   void (*block_order)(const float* in, float* out, int64_t n);

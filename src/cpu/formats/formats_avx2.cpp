@@ -78,13 +78,17 @@ struct V {
     return g;
   }
   // acc[i] = max(acc[i], |x[i]|) on bf16 patterns, 16 lanes per op; returns how many it did.
-  static int64_t bf16_amax_accumulate(const uint16_t* x, int64_t n, uint16_t* acc) {
+  // over Rows rows stride elements apart: one load and store of acc for all of them.
+  template <int Rows>
+  static int64_t bf16_amax_accumulate(const uint16_t* x, int64_t stride, int64_t n, uint16_t* acc) {
     const __m256i abs_mask = _mm256_set1_epi16(0x7fff);
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
-      const __m256i v = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)), abs_mask);
       __m256i* a = reinterpret_cast<__m256i*>(acc + i);
-      _mm256_storeu_si256(a, _mm256_max_epu16(_mm256_loadu_si256(a), v));
+      __m256i m = _mm256_loadu_si256(a);
+      for (int r = 0; r < Rows; ++r)
+        m = _mm256_max_epu16(m, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + r * stride + i)), abs_mask));
+      _mm256_storeu_si256(a, m);
     }
     return i;
   }
