@@ -130,14 +130,20 @@ struct QuotientConstants {
   static constexpr int32_t kLeastNormal = static_cast<int32_t>(pow2_bits(-6));
   static constexpr int32_t kRebias = kLeastNormal - (8 << kShift);  // the least normal's pattern less its code's
   __m512i high_words = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
-  __m512i half_down = _mm512_set1_epi32((1 << (kShift - 1)) - 1 - kRebias), sign = _mm512_set1_epi32(static_cast<int32_t>(0x80000000u));
-  __m512i one = _mm512_set1_epi32(1), least = _mm512_set1_epi32(kLeastNormal), top_bytes;
+  __m512i half_down = _mm512_set1_epi32((1 << (kShift - 1)) - 1 - kRebias), rounding_bit = _mm512_set1_epi32(1 << kShift);
+  __m512i one = _mm512_set1_epi32(1), least = _mm512_set1_epi32(kLeastNormal), sign_bits = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512i top_bytes, high_bytes;
   // Output byte j < 32 of two vectors of even and odd lanes (lane i: elements 2i and 2i + 1)
   // is the top byte of lane j / 2 of the first (j even) or (bit 6) the second; bytes 32-63 alike.
+  // high_bytes: byte j is the high byte of bf16 element j of two vectors of 32 (its sign on top).
   __attribute__((target("avx512vbmi"))) QuotientConstants() {
-    alignas(64) uint8_t idx[64];
-    for (int j = 0; j < 64; ++j) idx[j] = static_cast<uint8_t>((j % 2) * 64 + (j % 32 / 2) * 4 + 3);
+    alignas(64) uint8_t idx[64], high[64];
+    for (int j = 0; j < 64; ++j) {
+      idx[j] = static_cast<uint8_t>((j % 2) * 64 + (j % 32 / 2) * 4 + 3);
+      high[j] = static_cast<uint8_t>(2 * j + 1);
+    }
     top_bytes = _mm512_load_si512(idx);
+    high_bytes = _mm512_load_si512(high);
   }
 };
 
@@ -166,22 +172,28 @@ __attribute__((target("avx512vbmi"))) inline bool quotient_codes_64(const uint16
                                                                     const QuotientConstants& c, __m512i& codes) {
   constexpr int kShift = QuotientConstants::kShift;
   __m512i top[4];
+  const __m512i pairs[2] = {_mm512_loadu_si512(x), _mm512_loadu_si512(x + 32)};
   __m512 lowest = _mm512_castsi512_ps(c.high_words);  // (a NaN pattern: vrangeps keeps the other operand)
   for (int j = 0; j < 4; ++j) {
-    const __m512i pairs = _mm512_loadu_si512(x + 32 * (j / 2));
-    const __m512 v = _mm512_castsi512_ps(j % 2 ? _mm512_and_si512(pairs, c.high_words) : _mm512_slli_epi32(pairs, 16));
+    const __m512 v = _mm512_castsi512_ps(j % 2 ? _mm512_and_si512(pairs[j / 2], c.high_words) : _mm512_slli_epi32(pairs[j / 2], 16));
     const __m512 y0 = _mm512_mul_ps(v, r[j]);
     const __m512 y = _mm512_fmadd_ps(_mm512_fnmadd_ps(y0, sf[j], v), r[j], y0);
     const __m512i b = _mm512_castps_si512(y);
     lowest = _mm512_range_ps(lowest, y, 0x0a);  // min |.|, sign cleared: one uop for and + min
-    // Nearest even at the rounding bit, on the signed pattern (for normal quotients the sum
-    // stays clear of bit 31); then code << 24 and x's sign above it.
-    const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(b, c.half_down), _mm512_and_si512(_mm512_srli_epi32(b, kShift), c.one));
-    top[j] = _mm512_ternarylogic_epi32(_mm512_slli_epi32(rounded, 24 - kShift), b, c.sign, 0xf8);
+    // Nearest even at the rounding bit (half less one, plus one where the bit is set: a test
+    // and a masked add, one op fewer than extracting the bit), on the signed pattern (for
+    // normal quotients the sum stays clear of bit 31 and leaves bits 27-30 clear); then the
+    // code in the top byte, bit 31 shifted out.
+    const __m512i half = _mm512_add_epi32(b, c.half_down);
+    const __m512i rounded = _mm512_mask_add_epi32(half, _mm512_test_epi32_mask(b, c.rounding_bit), half, c.one);
+    top[j] = _mm512_slli_epi32(rounded, 24 - kShift);
   }
   if (_mm512_cmplt_epu32_mask(_mm512_castps_si512(lowest), c.least)) [[unlikely]] return false;
-  codes = _mm512_mask_blend_epi64(0xf0, _mm512_permutex2var_epi8(top[0], c.top_bytes, top[1]),
-                                  _mm512_permutex2var_epi8(top[2], c.top_bytes, top[3]));
+  // The magnitudes in element order, and x's signs (the sign of each quotient: sf > 0) from
+  // the high bytes of its bf16 elements, once per 64 codes rather than once per 16.
+  const __m512i magnitudes = _mm512_mask_blend_epi64(0xf0, _mm512_permutex2var_epi8(top[0], c.top_bytes, top[1]),
+                                                     _mm512_permutex2var_epi8(top[2], c.top_bytes, top[3]));
+  codes = _mm512_ternarylogic_epi32(magnitudes, _mm512_permutex2var_epi8(pairs[0], c.high_bytes, pairs[1]), c.sign_bits, 0xf8);
   return true;
 }
 
