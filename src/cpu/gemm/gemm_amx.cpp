@@ -553,6 +553,15 @@ __attribute__((target("avx512bw"))) inline __m512i tile_shifts(const int16_t* sh
   return _mm512_permutexvar_epi16(column_of_lane, _mm512_castsi256_si512(columns));
 }
 
+// The bytes of loaded register i holding `per_register` source rows of 64 / per_register
+// bytes each (rows per_register · i onwards), as (source row, byte).
+std::vector<std::pair<int, int>> loaded_rows(int i, int per_register) {
+  const int width = 64 / per_register;
+  std::vector<std::pair<int, int>> bytes;
+  for (int t = 0; t < 64; ++t) bytes.push_back({per_register * i + t / width, t % width});
+  return bytes;
+}
+
 // vpermt2b indices that build `want` from registers `lo` (0-63) and `hi` (64-127).
 __m512i merge_indices(const std::vector<std::pair<int, int>>& want, const std::vector<std::pair<int, int>>& lo,
                       const std::vector<std::pair<int, int>>& hi) {
@@ -591,12 +600,7 @@ struct CodeTranspose {
   }
   CodeTranspose() {
     // Loaded register i: row 2i in bytes 0-31, row 2i + 1 in 32-63.
-    auto loaded = [](int i) {
-      std::vector<std::pair<int, int>> bytes;
-      for (int t = 0; t < 64; ++t) bytes.push_back({2 * i + t / 32, t % 32});
-      return bytes;
-    };
-    for (int h = 0; h < 2; ++h) round1[h] = merge_indices(content(4 * h, 4, 0, 4), loaded(0), loaded(1));
+    for (int h = 0; h < 2; ++h) round1[h] = merge_indices(content(4 * h, 4, 0, 4), loaded_rows(0, 2), loaded_rows(1, 2));
     for (int g = 0; g < 2; ++g) round2[g] = merge_indices(content(2 * g, 2, 0, 8), content(0, 4, 0, 4), content(0, 4, 4, 4));
     for (int e = 0; e < 2; ++e) round3[e] = merge_indices(content(e, 1, 0, 16), content(0, 2, 0, 8), content(0, 2, 8, 8));
   }
@@ -646,17 +650,20 @@ class NextPanelRequests {
   // row_bytes bytes from byte k0_bytes of rows [i0, i0 + rows) of op, spread over `steps`
   // calls of step().
   NextPanelRequests(const GemmOperand& op, int64_t i0, int rows, int64_t k0_bytes, int64_t row_bytes, int64_t steps)
-      : op_(op), i0_(i0), k0_bytes_(k0_bytes), row_lines_((row_bytes + 63) / 64), lines_(rows * row_lines_),
-        per_step_((lines_ + steps - 1) / std::max<int64_t>(1, steps)) {}
+      : next_(reinterpret_cast<const char*>(row_ptr(op, i0)) + k0_bytes),
+        stride_(reinterpret_cast<const char*>(row_ptr(op, 1)) - reinterpret_cast<const char*>(row_ptr(op, 0))),
+        rows_(rows), row_lines_((row_bytes + 63) / 64), per_step_((rows * row_lines_ + steps - 1) / std::max<int64_t>(1, steps)) {}
+  // (A row and line counter rather than a division per line: a step requests 16 or more.)
   void step() {
-    for (const int64_t end = std::min(lines_, line_ + per_step_); line_ < end; ++line_)
-      _mm_prefetch(reinterpret_cast<const char*>(row_ptr(op_, i0_ + line_ / row_lines_) + k0_bytes_) + line_ % row_lines_ * 64,
-                   _MM_HINT_T1);
+    for (int64_t n = 0; n < per_step_ && row_ < rows_; ++n) {
+      _mm_prefetch(next_ + line_ * 64, _MM_HINT_T1);
+      if (++line_ == row_lines_) line_ = 0, ++row_, next_ += stride_;
+    }
   }
 
  private:
-  const GemmOperand& op_;
-  int64_t i0_, k0_bytes_, row_lines_, lines_, per_step_, line_ = 0;
+  const char* next_;  // the current row's first requested byte
+  int64_t stride_, rows_, row_lines_, per_step_, row_ = 0, line_ = 0;
 };
 
 // Tiles of steps [0, step_count(kc)) for rows [i0, i0 + rows) (zero past them and past kc)
@@ -734,12 +741,7 @@ struct NibbleTranspose {
   }
   NibbleTranspose() {
     // Loaded register i: rows 4i..4i+3, 16 bytes each.
-    auto loaded = [](int i) {
-      std::vector<std::pair<int, int>> bytes;
-      for (int t = 0; t < 64; ++t) bytes.push_back({4 * i + t / 16, t % 16});
-      return bytes;
-    };
-    for (int h = 0; h < 2; ++h) round1[h] = merge_indices(content(2 * h, 2, 0, 8), loaded(0), loaded(1));
+    for (int h = 0; h < 2; ++h) round1[h] = merge_indices(content(2 * h, 2, 0, 8), loaded_rows(0, 4), loaded_rows(1, 4));
     for (int e = 0; e < 2; ++e) round2[e] = merge_indices(content(e, 1, 0, 16), content(0, 2, 0, 8), content(0, 2, 8, 8));
   }
 };
