@@ -532,6 +532,10 @@ TEST(Runtime, CpuFeaturesConsistent) {
     EXPECT_TRUE(moekit::isa_supported(Isa::avx2));
   }
   EXPECT_TRUE(!f.amx_bf16 || f.os_saves_tiles);
+  if (moekit::isa_supported(Isa::avx512_bf16)) {
+    EXPECT_TRUE(f.avx512bf16);
+    EXPECT_TRUE(moekit::isa_supported(Isa::avx512));
+  }
   if (moekit::isa_supported(Isa::amx)) {
     EXPECT_TRUE(f.amx_bf16 && moekit::amx_permitted());
     EXPECT_TRUE(moekit::isa_supported(Isa::avx512));
@@ -550,13 +554,14 @@ TEST(Runtime, IsaSupportAndNames) {
   EXPECT_TRUE(moekit::isa_supported(Isa::scalar));
   EXPECT_TRUE(moekit::isa_supported(moekit::best_supported_isa()));
   // best is the highest supported level.
-  for (Isa isa : {Isa::scalar, Isa::avx2, Isa::avx512, Isa::amx})
+  for (Isa isa : {Isa::scalar, Isa::avx2, Isa::avx512, Isa::avx512_bf16, Isa::amx})
     if (moekit::isa_supported(isa)) {
       EXPECT_GE(static_cast<int>(moekit::best_supported_isa()), static_cast<int>(isa));
     }
   EXPECT_TRUE(moekit::isa_supported(moekit::active_isa()));
-  for (Isa isa : {Isa::scalar, Isa::avx2, Isa::avx512, Isa::amx}) EXPECT_EQ(moekit::parse_isa(moekit::isa_name(isa)), isa);
+  for (Isa isa : {Isa::scalar, Isa::avx2, Isa::avx512, Isa::avx512_bf16, Isa::amx}) EXPECT_EQ(moekit::parse_isa(moekit::isa_name(isa)), isa);
   EXPECT_STREQ(moekit::isa_name(Isa::avx512), "avx512");
+  EXPECT_STREQ(moekit::isa_name(Isa::avx512_bf16), "avx512_bf16");
   EXPECT_STREQ(moekit::isa_name(Isa::amx), "amx");
   EXPECT_MOEKIT_ERROR_ARG(moekit::parse_isa("neon"), "name");
   EXPECT_MOEKIT_ERROR_ARG(moekit::parse_isa(""), "name");
@@ -583,7 +588,7 @@ TEST(Runtime, SetActiveIsaAndScopedIsaRestore) {
 
 TEST(Runtime, SetActiveIsaUnsupportedRaises) {
   Isa missing = Isa::scalar;
-  for (Isa isa : {Isa::amx, Isa::avx512, Isa::avx2})
+  for (Isa isa : {Isa::amx, Isa::avx512_bf16, Isa::avx512, Isa::avx2})
     if (!moekit::isa_supported(isa)) missing = isa;
   if (missing == Isa::scalar) GTEST_SKIP() << "every ISA level is supported here: no unsupported one to test";
   SCOPED_TRACE(moekit::isa_name(missing));

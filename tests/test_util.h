@@ -30,8 +30,8 @@
 namespace moekit::testing {
 
 // Every vector instruction-set path this CPU can run (the others are reported as skipped
-// by the tests that need them, never silently dropped). Isa::amx is left out: outside the
-// GEMMs it runs the avx512 kernels, so it would test nothing new.
+// by the tests that need them, never silently dropped). Isa::avx512_bf16 and Isa::amx are
+// left out: outside the GEMMs they run the avx512 kernels, so they would test nothing new.
 inline std::vector<Isa> supported_isas() {
   std::vector<Isa> out;
   for (Isa isa : {Isa::scalar, Isa::avx2, Isa::avx512})
@@ -39,10 +39,12 @@ inline std::vector<Isa> supported_isas() {
   return out;
 }
 
-// The GEMM paths: supported_isas() and, where granted, the AMX one (its own accuracy class).
+// The GEMM paths: supported_isas() and, where the CPU has them, the bf16-pair ones
+// (avx512_bf16, amx: their own accuracy class).
 inline std::vector<Isa> gemm_isas() {
   std::vector<Isa> out = supported_isas();
-  if (isa_supported(Isa::amx)) out.push_back(Isa::amx);
+  for (Isa isa : {Isa::avx512_bf16, Isa::amx})
+    if (isa_supported(isa)) out.push_back(isa);
   return out;
 }
 

@@ -23,12 +23,15 @@ const CpuFeatures& cpu_features();
 // The instruction-set levels moekit has kernels for, in increasing order.
 //   avx2   = AVX2 + FMA + F16C
 //   avx512 = AVX-512 F/BW/VL/DQ (kernels use BF16/VNNI/VBMI only when those bits are set)
+//   avx512_bf16 = avx512 + AVX512_BF16 (vdpbf16ps): the GEMMs multiply bf16 pairs
+//            (AMD Zen 4/5 and other CPUs without AMX); every other component runs its
+//            avx512 kernels.
 //   amx    = avx512 + AMX-BF16 tiles, granted to this process by the OS. Only the GEMMs
-//            have AMX kernels (every other component runs its avx512 kernels). Their
-//            accuracy class differs from the FMA paths: results are bit-identical across
-//            runs and thread counts, but not to the scalar/avx2/avx512 bits (tdpbf16ps
-//            sums pairs of products and flushes denormals; docs/GEMM.md).
-enum class Isa { scalar = 0, avx2 = 1, avx512 = 2, amx = 3 };
+//            have AMX kernels (every other component runs its avx512 kernels).
+// The GEMMs of avx512_bf16 and amx have their own accuracy class: results are
+// bit-identical across runs and thread counts, but not to the scalar/avx2/avx512 bits
+// (vdpbf16ps / tdpbf16ps sum pairs of products inside the instruction; docs/GEMM.md).
+enum class Isa { scalar = 0, avx2 = 1, avx512 = 2, avx512_bf16 = 3, amx = 4 };
 const char* isa_name(Isa isa);
 Isa parse_isa(const std::string& name);  // Error on unknown names
 bool isa_supported(Isa isa);
@@ -37,7 +40,7 @@ bool isa_supported(Isa isa);
 bool amx_permitted();
 Isa best_supported_isa();
 
-// The level kernels dispatch to: MOEKIT_ISA=scalar|avx2|avx512|amx if set (Error if this CPU
+// The level kernels dispatch to: MOEKIT_ISA=scalar|avx2|avx512|avx512_bf16|amx if set (Error if this CPU
 // lacks it), else the best supported. set_active_isa overrides it for the process (tests
 // use it to run every path); ScopedIsa restores the previous choice.
 Isa active_isa();

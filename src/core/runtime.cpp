@@ -80,6 +80,7 @@ const char* isa_name(Isa isa) {
     case Isa::scalar: return "scalar";
     case Isa::avx2: return "avx2";
     case Isa::avx512: return "avx512";
+    case Isa::avx512_bf16: return "avx512_bf16";
     case Isa::amx: return "amx";
   }
   return "?";
@@ -89,8 +90,9 @@ Isa parse_isa(const std::string& name) {
   if (name == "scalar") return Isa::scalar;
   if (name == "avx2") return Isa::avx2;
   if (name == "avx512") return Isa::avx512;
+  if (name == "avx512_bf16") return Isa::avx512_bf16;
   if (name == "amx") return Isa::amx;
-  detail::fail("parse_isa", "name", "scalar, avx2, avx512 or amx", "\"" + name + "\"");
+  detail::fail("parse_isa", "name", "scalar, avx2, avx512, avx512_bf16 or amx", "\"" + name + "\"");
 }
 
 bool isa_supported(Isa isa) {
@@ -99,6 +101,7 @@ bool isa_supported(Isa isa) {
     case Isa::scalar: return true;
     case Isa::avx2: return f.avx2 && f.fma && f.f16c;
     case Isa::avx512: return f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq && isa_supported(Isa::avx2);
+    case Isa::avx512_bf16: return f.avx512bf16 && isa_supported(Isa::avx512);
     case Isa::amx: return f.amx_bf16 && isa_supported(Isa::avx512) && amx_permitted();
   }
   return false;
@@ -114,6 +117,7 @@ bool amx_permitted() {
 
 Isa best_supported_isa() {
   if (isa_supported(Isa::amx)) return Isa::amx;
+  if (isa_supported(Isa::avx512_bf16)) return Isa::avx512_bf16;
   if (isa_supported(Isa::avx512)) return Isa::avx512;
   if (isa_supported(Isa::avx2)) return Isa::avx2;
   return Isa::scalar;

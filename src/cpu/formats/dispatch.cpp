@@ -4,7 +4,8 @@ namespace moekit::detail {
 
 const FormatKernels& format_kernels(Isa isa) {
   switch (isa) {
-    case Isa::amx:  // no AMX kernels for the casts
+    case Isa::amx:  // no AMX or AVX512_BF16 kernels for the casts
+    case Isa::avx512_bf16:
     case Isa::avx512: return format_kernels_avx512();
     case Isa::avx2: return format_kernels_avx2();
     case Isa::scalar: break;

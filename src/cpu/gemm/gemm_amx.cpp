@@ -22,6 +22,7 @@
 
 #include "core/scratch.h"
 #include "cpu/formats/format_kernels.h"
+#include "bf16_panels.h"
 #include "gemm_kernels.h"
 
 namespace moekit::detail {
@@ -29,14 +30,21 @@ namespace {
 
 #include "gemm_decode.inc"
 
-constexpr int kMr = 32, kNr = 32;
+using bf16_panels::kHeaderFloats;
+using bf16_panels::kStep;  // K per tdpbf16ps (16 pairs)
+using bf16_panels::PanelHeader;
+using bf16_panels::panel_floats;
+using bf16_panels::panel_steps;
+using bf16_panels::scales_offset;
+using bf16_panels::step_count;
+
+constexpr int kMr = bf16_panels::kWidth, kNr = bf16_panels::kWidth;
 constexpr int64_t kStreamM = 32;  // rows of A that take the streaming small-M kernel
-constexpr int kStep = 32;            // K per tdpbf16ps (16 pairs)
-constexpr int kTileBytes = 1024;     // 16 rows x 64 bytes
+constexpr int kTileBytes = bf16_panels::kBlockBytes;  // an AMX tile: 16 rows x 64 bytes
 // K block: long, because the partial sums of C go through memory once per block (at
 // 2048, 8 bytes per 4096 FLOPs). Measured on 2 cores of a Xeon with AMX, bf16 4096 x 2112
 // x 7168: 1.42 TF/s at 256, 1.77 at 1024, 1.94 at 2048 (mc 96); mc 192: 2.17.
-constexpr int64_t kKc = 2048;
+constexpr int64_t kKc = bf16_panels::kMaxKc;
 constexpr int64_t kMc = 192;
 constexpr int64_t kMaxWords = kKc / 2;
 // Small M: K decoded per strip of 32 weight rows at a time (32 x 512 bytes of bf16).
@@ -66,29 +74,8 @@ void configure() {
 }
 
 // ---------------------------------------------------------------- packing
-// A panel (of either operand) is a 64-byte header, then K in 32-deep steps, zero-padded,
-// 2 KiB per step: two tiles of 1 KiB, for rows (or columns) 0-15 and 16-31, then the scales
-// of a promoted operand: 32 f32 per K group of the block.
-//  - A panel: tile row r = operand row r, 32 bf16 along K.
-//  - B panel: tile row p = K pair p of the step, 16 columns x (k = 2p, 2p + 1) bf16 pairs.
-// Both start from "words": the operand's rows as 32-bit bf16 pairs along K.
-
-struct alignas(64) PanelHeader {
-  uint32_t promoted;     // 0: values carry their scales; 1: raw values, scales after the steps
-  uint32_t group_steps;  // K group / 32, when promoted
-  uint32_t pad[14];
-};
-static_assert(sizeof(PanelHeader) == 64);
-
-constexpr int64_t kHeaderFloats = 16;
-
-int64_t step_count(int64_t kc) { return (kc + kStep - 1) / kStep; }
-int64_t panel_floats(int64_t kc, int width) {
-  // header + bf16 steps + room for a scale per row and step (groups are at least a step)
-  return kHeaderFloats + step_count(kc) * (kStep * width / 2 + width);
-}
-const uint8_t* panel_steps(const float* panel) { return reinterpret_cast<const uint8_t*>(panel + kHeaderFloats); }
-int64_t scales_offset(int64_t kc) { return kHeaderFloats + step_count(kc) * kStep * kMr / 2; }
+// (The panel format: bf16_panels.h.) Packing starts from "words": the operand's rows as
+// 32-bit bf16 pairs along K.
 
 // Rows [i0, i0 + rows) x K [k0, k0 + kc) of a K-major bf16 operand as words:
 // out[r * ldw + p] holds elements (k0 + 2p, k0 + 2p + 1) of row i0 + r (low half first),
@@ -928,12 +915,6 @@ void pack_panels(const GemmOperand& op, int64_t mn0, int64_t count, int64_t k0, 
   }
 }
 
-void pack_a(const GemmOperand& op, int64_t mn0, int64_t count, int64_t k0, int64_t kc, int, float* out, PackNext) {
-  pack_panels<false>(op, mn0, count, k0, kc, out);
-}
-void pack_b(const GemmOperand& op, int64_t mn0, int64_t count, int64_t k0, int64_t kc, int, float* out, PackNext) {
-  pack_panels<true>(op, mn0, count, k0, kc, out);
-}
 
 // ---------------------------------------------------------------- microkernel
 
@@ -1490,25 +1471,38 @@ bool exact_scales(const GemmOperand& op) {
 // bf16, e4m3 or e2m1 values (exact in bf16), with no scales, scales folded exactly (powers
 // of two) or scales promoted per K group (groups of 32 · 2^j up to the K block, so that
 // groups are whole steps and every block starts a group).
-bool prepare_operand(GemmOperand& op) {
+bool prepare_operand(GemmOperand& op, int64_t kc) {
   op.promote = false;
   if (op.dtype != DType::bf16 && op.dtype != DType::e4m3 && op.dtype != DType::e2m1x2) return false;
   if (!op.sf || exact_scales(op)) return true;
   const int64_t g = op.gran_k;
-  if (g < kStep || g > kKc || (g & (g - 1)) != 0) return false;
+  if (g < kStep || g > kc || (g & (g - 1)) != 0) return false;
   op.promote = true;
   return true;
 }
 
-bool prepare(GemmOperand& a, GemmOperand& b) {
+bool prepare(GemmOperand& a, GemmOperand& b) { return bf16_panels::prepare(a, b, kKc); }
+
+}  // namespace
+
+namespace bf16_panels {
+
+void pack_a(const GemmOperand& op, int64_t mn0, int64_t count, int64_t k0, int64_t kc, int, float* out, PackNext) {
+  pack_panels<false>(op, mn0, count, k0, kc, out);
+}
+void pack_b(const GemmOperand& op, int64_t mn0, int64_t count, int64_t k0, int64_t kc, int, float* out, PackNext) {
+  pack_panels<true>(op, mn0, count, k0, kc, out);
+}
+
+bool prepare(GemmOperand& a, GemmOperand& b, int64_t kc) {
   GemmOperand pa = a, pb = b;
-  if (!prepare_operand(pa) || !prepare_operand(pb)) return false;
+  if (!prepare_operand(pa, kc) || !prepare_operand(pb, kc)) return false;
   a = pa;
   b = pb;
   return true;
 }
 
-}  // namespace
+}  // namespace bf16_panels
 
 const GemmKernels& gemm_kernels_amx() {
   static const GemmKernels k = [] {
@@ -1517,8 +1511,8 @@ const GemmKernels& gemm_kernels_amx() {
     t.nr = kNr;
     t.kc = kKc;
     t.mc = kMc;
-    t.pack = &pack_a;
-    t.pack_b = &pack_b;
+    t.pack = &bf16_panels::pack_a;
+    t.pack_b = &bf16_panels::pack_b;
     t.tile = &tile;
     // ldtilecfg per tile had been 10-18 % of a k-grouped call (K = 512: a tile is 16 steps).
     t.begin_tiles = &begin_tiles;

@@ -90,6 +90,7 @@ struct GemmKernels {
 const GemmKernels& gemm_kernels_scalar();
 const GemmKernels& gemm_kernels_avx2();
 const GemmKernels& gemm_kernels_avx512();  // only called when the CPU has AVX-512
+const GemmKernels& gemm_kernels_avx512_bf16();  // only called when Isa::avx512_bf16 is supported
 const GemmKernels& gemm_kernels_amx();     // only called when Isa::amx is supported
 const GemmKernels& gemm_kernels(Isa isa);
 // The ISA whose kernels run these operands: `isa` if its kernels take them (after their

@@ -63,6 +63,7 @@ const GemmKernels& gemm_kernels_scalar() { return kernels_table(); }
 const GemmKernels& gemm_kernels(Isa isa) {
   switch (isa) {
     case Isa::amx: return gemm_kernels_amx();
+    case Isa::avx512_bf16: return gemm_kernels_avx512_bf16();
     case Isa::avx512: return gemm_kernels_avx512();
     case Isa::avx2: return gemm_kernels_avx2();
     case Isa::scalar: break;

@@ -1,0 +1,160 @@
+// AVX512_BF16 target (Isa::avx512_bf16): vdpbf16ps on the bf16 panels of bf16_panels.h (the
+// AMX target's format and packing), for CPUs that have AVX512_BF16 but no AMX (AMD Zen 4
+// and 5). There vdpbf16ps multiplies 32 bf16 pairs per instruction, twice the f32 FMA's 16
+// products, and the panels hold 2 bytes per value instead of 4.
+//
+// A 32 x 32 output tile is computed in three passes of rows (12, 12 and 8): a pass keeps its
+// rows x 32 columns in 24 (16) zmm accumulators, loads the step's two B vectors (16 columns
+// x one K pair each) once per K pair and multiplies them by each row's K pair, broadcast
+// from the A panel. Both panels of a tile stay in L1 (kKc = 256: 16 KiB each).
+//
+// Accuracy class (as the AMX one): vdpbf16ps adds the two products of a pair to the
+// accumulator inside the instruction (its own rounding; Intel documents denormal inputs
+// and results as flushed), so the results are not the FMA paths' bits. They are the same
+// on every run and for any thread count: fixed K blocks, pairs in K order within a block,
+// scales promoted per K group in the same order as the AMX target's.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "bf16_panels.h"
+#include "gemm_kernels.h"
+
+namespace moekit::detail {
+namespace {
+
+using bf16_panels::kBlockBytes;
+using bf16_panels::kStep;
+using bf16_panels::kWidth;
+
+constexpr int kMr = kWidth, kNr = kWidth;
+// K block: both panels of a tile (2 x 16 KiB) fit a 48 KiB L1 with room for the sums.
+constexpr int64_t kKc = 256;
+constexpr int64_t kMc = 192;
+
+inline __m512bh pair_of(const uint8_t* p) {
+  int32_t word;
+  std::memcpy(&word, p, 4);
+  return reinterpret_cast<__m512bh>(_mm512_set1_epi32(word));
+}
+inline __m512bh pairs_at(const uint8_t* p) { return reinterpret_cast<__m512bh>(_mm512_load_si512(p)); }
+
+// acc[r][h] (row R0 + r, columns 16h..16h+15) += steps [s0, s1) of the panels.
+template <int R0, int R>
+inline void dot_steps(const uint8_t* a, const uint8_t* b, int64_t s0, int64_t s1, __m512 (&acc)[R][2]) {
+  for (int64_t s = s0; s < s1; ++s) {
+    const uint8_t* as = a + s * 2 * kBlockBytes;
+    const uint8_t* bs = b + s * 2 * kBlockBytes;
+#pragma GCC unroll 16
+    for (int p = 0; p < kStep / 2; ++p) {
+      const __m512bh b0 = pairs_at(bs + p * 64), b1 = pairs_at(bs + kBlockBytes + p * 64);
+#pragma GCC unroll 12
+      for (int r = 0; r < R; ++r) {
+        const __m512bh x = pair_of(as + ((R0 + r) / 16) * kBlockBytes + ((R0 + r) % 16) * 64 + p * 4);
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, b0);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, b1);
+      }
+    }
+  }
+}
+
+// Rows R0..R0+R-1 of a tile whose scales were folded into the values.
+template <int R0, int R>
+void plain_rows(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, bool accumulate) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h)
+      acc[r][h] = accumulate ? _mm512_loadu_ps(c + (R0 + r) * ldc + 16 * h) : _mm512_setzero_ps();
+  dot_steps<R0, R>(bf16_panels::panel_steps(a), bf16_panels::panel_steps(b), 0, bf16_panels::step_count(kc), acc);
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) _mm512_storeu_ps(c + (R0 + r) * ldc + 16 * h, acc[r][h]);
+}
+
+// Promoted: each K group (the finer of the two operands' groups) is summed from zero in
+// registers, then acc = fma(partial, sa[i] · sb[j], acc) in f32 (an operand that is not
+// promoted has scale 1): the AMX target's order.
+template <int R0, int R>
+void promoted_rows(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, bool accumulate) {
+  const auto& ha = bf16_panels::header(a);
+  const auto& hb = bf16_panels::header(b);
+  const int64_t steps = bf16_panels::step_count(kc);
+  const int64_t ga = ha.promoted ? ha.group_steps : steps, gb = hb.promoted ? hb.group_steps : steps;
+  const int64_t group = std::min(ga, gb);
+  const float* sa = a + bf16_panels::scales_offset(kc);
+  const float* sb = b + bf16_panels::scales_offset(kc);
+  alignas(64) float sums[R * kNr];
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h)
+      _mm512_store_ps(sums + r * kNr + 16 * h,
+                      accumulate ? _mm512_loadu_ps(c + (R0 + r) * ldc + 16 * h) : _mm512_setzero_ps());
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (int64_t s0 = 0; s0 < steps; s0 += group) {
+    __m512 part[R][2];
+    for (int r = 0; r < R; ++r) part[r][0] = part[r][1] = _mm512_setzero_ps();
+    dot_steps<R0, R>(bf16_panels::panel_steps(a), bf16_panels::panel_steps(b), s0, std::min(steps, s0 + group), part);
+    const float* sa_g = ha.promoted ? sa + (s0 / ga) * kMr : nullptr;
+    const float* sb_g = hb.promoted ? sb + (s0 / gb) * kNr : nullptr;
+    const __m512 sb0 = sb_g ? _mm512_load_ps(sb_g) : one, sb1 = sb_g ? _mm512_load_ps(sb_g + 16) : one;
+    for (int r = 0; r < R; ++r) {
+      const __m512 ar = _mm512_set1_ps(sa_g ? sa_g[R0 + r] : 1.0f);
+      float* row = sums + r * kNr;
+      _mm512_store_ps(row, _mm512_fmadd_ps(part[r][0], _mm512_mul_ps(ar, sb0), _mm512_load_ps(row)));
+      _mm512_store_ps(row + 16, _mm512_fmadd_ps(part[r][1], _mm512_mul_ps(ar, sb1), _mm512_load_ps(row + 16)));
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) _mm512_storeu_ps(c + (R0 + r) * ldc + 16 * h, _mm512_load_ps(sums + r * kNr + 16 * h));
+}
+
+template <int R0, int R>
+void rows_pass(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, bool accumulate, bool promoted) {
+  if (promoted) promoted_rows<R0, R>(kc, a, b, c, ldc, accumulate);
+  else plain_rows<R0, R>(kc, a, b, c, ldc, accumulate);
+}
+
+// The passes that hold any of the first `rows` rows (a pass writes all its rows; the
+// passes past `rows` are skipped, e.g. two of three for a 16-row block of A).
+void passes(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, int rows, bool accumulate) {
+  const bool promoted = bf16_panels::header(a).promoted || bf16_panels::header(b).promoted;
+  rows_pass<0, 12>(kc, a, b, c, ldc, accumulate, promoted);
+  if (rows > 12) rows_pass<12, 12>(kc, a, b, c, ldc, accumulate, promoted);
+  if (rows > 24) rows_pass<24, 8>(kc, a, b, c, ldc, accumulate, promoted);
+}
+
+void tile(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, int rows, int cols, bool accumulate) {
+  if (rows == kMr && cols == kNr) return passes(kc, a, b, c, ldc, rows, accumulate);
+  // Partial tile: its passes on a scratch copy (padded panel rows and columns are zero).
+  alignas(64) float scratch[kMr * kNr];
+  if (accumulate) {
+    std::fill(scratch, scratch + kMr * kNr, 0.0f);  // (the padding the passes load is never read back)
+    for (int i = 0; i < rows; ++i) std::memcpy(scratch + i * kNr, c + i * ldc, static_cast<size_t>(cols) * 4);
+  }
+  passes(kc, a, b, scratch, kNr, rows, accumulate);
+  for (int i = 0; i < rows; ++i) std::memcpy(c + i * ldc, scratch + i * kNr, static_cast<size_t>(cols) * 4);
+}
+
+bool prepare(GemmOperand& a, GemmOperand& b) { return bf16_panels::prepare(a, b, kKc); }
+
+}  // namespace
+
+const GemmKernels& gemm_kernels_avx512_bf16() {
+  static const GemmKernels k = [] {
+    GemmKernels t = gemm_kernels_avx512();  // small M (memory-bound streaming) stays FMA
+    t.mr = kMr;
+    t.nr = kNr;
+    t.kc = kKc;
+    t.mc = kMc;
+    t.pack = &bf16_panels::pack_a;
+    t.pack_b = &bf16_panels::pack_b;
+    t.tile = &tile;
+    t.begin_tiles = nullptr;
+    t.panel_floats = &bf16_panels::panel_floats;
+    t.prepare = &prepare;
+    t.tiles_start_from_c = true;
+    return t;
+  }();
+  return k;
+}
+
+}  // namespace moekit::detail
