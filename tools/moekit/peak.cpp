@@ -102,10 +102,15 @@ void measure_compute(std::vector<Ceiling>& out, int threads, int repeats) {
     keep_best(out, {"bf16_flops", "f32 FMA on widened bf16 (avx2)", threads, v});
   }
   if (isa_supported(Isa::avx512)) {
-    const double v = flops(&kernels::fma_f32_avx512);
-    keep_best(out, {"f32_flops", "avx512 vfmadd231ps zmm", threads, v});
-    keep_best(out, {"bf16_flops", "f32 FMA on widened bf16 (avx512)", threads, v});
-    if (f.avx512bf16) keep_best(out, {"bf16_flops", "avx512_bf16 vdpbf16ps zmm", threads, flops(&kernels::dot_bf16_avx512)});
+    for (auto [loop, way] : {std::pair{&kernels::fma_f32_avx512, "12 chains"}, std::pair{&kernels::fma_f32_avx512_24, "24 chains"}}) {
+      const double v = flops(loop);
+      keep_best(out, {"f32_flops", std::string("avx512 vfmadd231ps zmm, ") + way, threads, v});
+      keep_best(out, {"bf16_flops", std::string("f32 FMA on widened bf16 (avx512), ") + way, threads, v});
+    }
+    if (f.avx512bf16) {
+      keep_best(out, {"bf16_flops", "avx512_bf16 vdpbf16ps zmm, 12 chains", threads, flops(&kernels::dot_bf16_avx512)});
+      keep_best(out, {"bf16_flops", "avx512_bf16 vdpbf16ps zmm, 24 chains", threads, flops(&kernels::dot_bf16_avx512_24)});
+    }
   }
   if (isa_supported(Isa::amx))
     keep_best(out, {"bf16_flops", "amx_bf16 tdpbf16ps tiles", threads, flops(&kernels::dot_bf16_amx)});

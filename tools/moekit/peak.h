@@ -39,7 +39,9 @@ double measure_copy_bandwidth(int64_t bytes, int repeats);
 namespace kernels {
 double fma_f32_avx2(int64_t iterations);          // FLOPs
 double fma_f32_avx512(int64_t iterations);
+double fma_f32_avx512_24(int64_t iterations);     // (24 accumulator chains instead of 12)
 double dot_bf16_avx512(int64_t iterations);       // FLOPs (vdpbf16ps)
+double dot_bf16_avx512_24(int64_t iterations);    // (24 accumulator chains instead of 12)
 double dot_bf16_amx(int64_t iterations);          // FLOPs (tdpbf16ps; only after amx_permitted)
 void read_avx2(const void* data, int64_t bytes, int64_t* sink);
 void read_prefetch_avx2(const void* data, int64_t bytes, int64_t* sink);

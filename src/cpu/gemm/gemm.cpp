@@ -394,7 +394,7 @@ void run_gemm(const char* fn, GemmOperand a, GemmOperand b, const Output& out, c
   if (pre.data && runs_on != isa)
     fail(fn, "a", std::string("activations the ") + isa_name(isa) + " kernels that packed b take",
          std::string(dtype_name(a.dtype)) + " with scale groups of " + std::to_string(a.gran_k) +
-             " (amx: a power of two from 32 to 2048, avx512_bf16: 32 to 256, or power-of-two scales)");
+             " (amx: a power of two from 32 to 2048, avx512_bf16: 32 to 1024, or power-of-two scales)");
   const int64_t m = a.mn, n = b.mn, k = a.k;
   if (m == 0 || n == 0) return;
   const detail::GemmKernels& kern = detail::gemm_kernels(runs_on);
