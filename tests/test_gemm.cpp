@@ -313,6 +313,18 @@ TEST(Gemm, AwkwardShapes) {
       }
 }
 
+// The last register panel of rows holding 13, 25 and 31 rows: the avx512_bf16 tile runs a
+// 32-row panel in passes of 12, 12 and 8 rows and skips the passes past the panel's rows,
+// so every pass boundary is crossed; plain and promoted scales.
+TEST(Gemm, PartialRowPanelsMatchOracle) {
+  uint64_t seed = 2000;
+  for (int64_t m : {45, 57, 63}) {
+    check_case_on_every_isa({Layout::nt, Fmt::bf16, Fmt::bf16, m, 40, 300, DType::f32, CMode::separate, false}, seed++);
+    check_case_on_every_isa({Layout::nt, Fmt::fp8_token, Fmt::fp8_block, m, 40, 300, DType::bf16, CMode::none, false},
+                            seed++);
+  }
+}
+
 // Row blocks of more than one register panel per thread take the blocked drivers: the
 // short-K order (K up to 6 blocks: partial sums kept per row block through all of K) and
 // the general one (more K blocks). Both, for every layout, several formats and C modes,
@@ -639,40 +651,51 @@ TEST(GemmPacked, Bf16ActivationsWithPackedFp8Weights) {
 
 // ---------------------------------------------------------------- the AMX path
 
-// What the AMX kernels take and leave. FP8 with f32 scales runs on the tiles with the scales
-// promoted per K group; scale groups that are not 32 · 2^j (here 96) run the avx512 kernels
-// and give their bits; bf16 weights packed for AMX take FP8 activations of either kind but
-// refuse ones whose groups the tiles cannot promote, naming `a`. (Every
-// check_case_on_every_isa case holds the AMX results to the oracle.)
-TEST(GemmAmx, TakesWhatItCanPromoteAndLeavesTheRestToAvx512) {
-  if (!isa_supported(Isa::amx)) GTEST_SKIP() << "no AMX-BF16 (or not granted) on this CPU";
-  const Tensor xa = random_bf16(70, 300, 61), xb = random_bf16(50, 300, 62);
-  const Quantized qa96 = per_token_cast_to_fp8(xa, false, 96), qb96 = per_token_cast_to_fp8(xb, false, 96);
-  GemmOptions o96;
-  o96.recipe = Recipe{1, 1, 96};
-  Tensor on_amx = Tensor::empty({70, 50}, DType::f32), on_avx512 = Tensor::empty({70, 50}, DType::f32);
-  {
-    ScopedIsa amx(Isa::amx);
-    fp8_gemm_nt(qa96, qb96, on_amx, Tensor(), o96);
+// The bf16-pair targets of this CPU (their own accuracy class: avx512_bf16, amx).
+std::vector<Isa> bf16_pair_isas() {
+  std::vector<Isa> out;
+  for (Isa isa : {Isa::avx512_bf16, Isa::amx})
+    if (isa_supported(isa)) out.push_back(isa);
+  return out;
+}
+
+// What the bf16-pair kernels (AMX tiles, vdpbf16ps) take and leave. FP8 with f32 scales
+// runs there with the scales promoted per K group; scale groups that are not 32 · 2^j (here
+// 96) run the avx512 kernels and give their bits; bf16 weights packed for these kernels take
+// FP8 activations of either kind but refuse ones whose groups they cannot promote, naming
+// `a`. (Every check_case_on_every_isa case holds their results to the oracle.)
+TEST(GemmBf16Pairs, TakesWhatItCanPromoteAndLeavesTheRestToAvx512) {
+  if (bf16_pair_isas().empty()) GTEST_SKIP() << "no AVX512_BF16 or AMX-BF16 on this CPU";
+  for (const Isa pair_isa : bf16_pair_isas()) {
+    SCOPED_TRACE(isa_name(pair_isa));
+    const Tensor xa = random_bf16(70, 300, 61), xb = random_bf16(50, 300, 62);
+    const Quantized qa96 = per_token_cast_to_fp8(xa, false, 96), qb96 = per_token_cast_to_fp8(xb, false, 96);
+    GemmOptions o96;
+    o96.recipe = Recipe{1, 1, 96};
+    Tensor on_pairs = Tensor::empty({70, 50}, DType::f32), on_avx512 = Tensor::empty({70, 50}, DType::f32);
+    {
+      ScopedIsa scoped(pair_isa);
+      fp8_gemm_nt(qa96, qb96, on_pairs, Tensor(), o96);
+    }
+    {
+      ScopedIsa avx512(Isa::avx512);
+      fp8_gemm_nt(qa96, qb96, on_avx512, Tensor(), o96);
+    }
+    EXPECT_EQ(0, std::memcmp(on_pairs.data(), on_avx512.data(), 70 * 50 * 4));
+    ScopedIsa scoped(pair_isa);
+    const PackedWeights w = pack_bf16_weights(xb);
+    EXPECT_EQ(w.isa(), pair_isa);
+    Tensor d = Tensor::empty({70, 50}, DType::f32);
+    EXPECT_MOEKIT_ERROR_ARG(fp8_fp4_gemm_packed(qa96, w, d, Tensor(), o96), "a");
+    for (bool ue8m0 : {false, true}) {
+      const Quantized qa = per_token_cast_to_fp8(xa, ue8m0);
+      fp8_fp4_gemm_packed(qa, w, d);
+      const std::vector<double> want = ref::gemm(Layout::nt, {qa.values, qa.sf, 1, 128}, {xb, Tensor(), 1, 128});
+      EXPECT_LE(ref::calc_diff(ref::to_f64(d), want), 1e-5) << "ue8m0 " << ue8m0;
+    }
+    EXPECT_EQ(pack_fp8_fp4_weights(per_block_cast_to_fp8(xb, false)).isa(), pair_isa);
+    EXPECT_EQ(pack_fp8_fp4_weights(qb96, true, o96).isa(), Isa::avx512);
   }
-  {
-    ScopedIsa avx512(Isa::avx512);
-    fp8_gemm_nt(qa96, qb96, on_avx512, Tensor(), o96);
-  }
-  EXPECT_EQ(0, std::memcmp(on_amx.data(), on_avx512.data(), 70 * 50 * 4));
-  ScopedIsa amx(Isa::amx);
-  const PackedWeights w = pack_bf16_weights(xb);
-  EXPECT_EQ(w.isa(), Isa::amx);
-  Tensor d = Tensor::empty({70, 50}, DType::f32);
-  EXPECT_MOEKIT_ERROR_ARG(fp8_fp4_gemm_packed(qa96, w, d, Tensor(), o96), "a");
-  for (bool ue8m0 : {false, true}) {
-    const Quantized qa = per_token_cast_to_fp8(xa, ue8m0);
-    fp8_fp4_gemm_packed(qa, w, d);
-    const std::vector<double> want = ref::gemm(Layout::nt, {qa.values, qa.sf, 1, 128}, {xb, Tensor(), 1, 128});
-    EXPECT_LE(ref::calc_diff(ref::to_f64(d), want), 1e-5) << "ue8m0 " << ue8m0;
-  }
-  EXPECT_EQ(pack_fp8_fp4_weights(per_block_cast_to_fp8(xb, false)).isa(), Isa::amx);
-  EXPECT_EQ(pack_fp8_fp4_weights(qb96, true, o96).isa(), Isa::avx512);
 }
 
 // Up to 32 rows of A stream B through the tiles (B decoded a chunk of up to 32 rows x 256 K
@@ -926,18 +949,20 @@ TEST(GemmAmx, OneOrTwoRowsOfE2m1WeightsMatchOracle) {
         }
 }
 
-// tn calls accumulating into D in place (weight gradients) with one K block: on AMX the
-// tiles start from C (gemm.cpp: tiles_write_d). Against the oracle; 1 and 2 threads bit for
+// tn calls accumulating into D in place (weight gradients) with one K block: on the
+// bf16-pair targets the tiles start from C (gemm.cpp: tiles_write_d). Against the oracle; 1 and 2 threads bit for
 // bit; a call on the first few rows gives those rows' bits; two K blocks take the
 // partial-sum path and agree with the oracle too.
-TEST(GemmAmx, TnAccumulatingInPlaceSameBitsForAnyThreadsAndM) {
-  if (!isa_supported(Isa::amx)) GTEST_SKIP() << "no AMX-BF16 (or not granted) on this CPU";
-  ScopedIsa amx(Isa::amx);
+TEST(GemmBf16Pairs, TnAccumulatingInPlaceSameBitsForAnyThreadsAndM) {
+  if (bf16_pair_isas().empty()) GTEST_SKIP() << "no AVX512_BF16 or AMX-BF16 on this CPU";
   ThreadGuard guard;
-  uint64_t seed = 9900;
-  for (const int64_t k : {100, 512, 2048, 2100})
+  for (const Isa pair_isa : bf16_pair_isas()) {
+    ScopedIsa scoped(pair_isa);
+    uint64_t seed = 9900;
+    for (const int64_t k : {100, 512, 1024, 1100, 2048, 2100})
     for (const int64_t m : {40, 200})
       for (const int64_t n : {70, 600}) {
+        SCOPED_TRACE(isa_name(pair_isa));
         SCOPED_TRACE("m " + std::to_string(m) + " n " + std::to_string(n) + " k " + std::to_string(k));
         const Tensor xa = random_bf16(k, m, seed), xb = random_bf16(k, n, seed + 1);  // tn: [K, M], [K, N]
         Tensor c = Tensor::empty({m, n}, DType::f32);
@@ -955,6 +980,7 @@ TEST(GemmAmx, TnAccumulatingInPlaceSameBitsForAnyThreadsAndM) {
         bf16_gemm_tn(xa.slice(1, 0, kFew), xb, few, few);
         EXPECT_EQ(0, std::memcmp(few.data(), one.data(), static_cast<size_t>(kFew * n) * 4)) << "the first rows alone";
       }
+  }
 }
 
 TEST(GemmPacked, BadInputRaisesNamedErrors) {
