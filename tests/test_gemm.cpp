@@ -848,10 +848,12 @@ Tensor on_one_and_two_threads(const std::vector<int64_t>& shape, const std::func
   return one;
 }
 
-TEST(GemmAmx, OneOrTwoRowsOfE4m3WeightsMatchOracle) {
-  if (!isa_supported(Isa::amx)) GTEST_SKIP() << "no AMX-BF16 (or not granted) on this CPU";
-  ScopedIsa amx(Isa::amx);
+TEST(GemmBf16Pairs, OneOrTwoRowsOfE4m3WeightsMatchOracle) {
+  if (bf16_pair_isas().empty()) GTEST_SKIP() << "no AVX512_BF16 or AMX-BF16 on this CPU";
   ThreadGuard guard;
+  for (const Isa pair_isa : bf16_pair_isas()) {
+  ScopedIsa scoped(pair_isa);
+  SCOPED_TRACE(isa_name(pair_isa));
   struct Config {
     bool ue8m0;
     int64_t gran_mn, gran_k;
@@ -896,16 +898,20 @@ TEST(GemmAmx, OneOrTwoRowsOfE4m3WeightsMatchOracle) {
             for (int64_t j = 0; j < n; ++j)
               EXPECT_EQ(std::isnan(one.data_ptr<float>()[i * n + j]), j == 5) << "row " << i << ", column " << j;
         }
+  }
 }
 
 // One or two rows of A against FP4 weights with foldable (power-of-two) scales take the
 // FP4 dot path (dot_row_amx.inc): every pair of codes, f32 and packed ue8m0 scales, K
 // tails, rows before and after a pass boundary, and passes holding a scale the table cannot
-// take (2^121, zero, NaN), which go to the tiles; 1 and 2 threads bit for bit.
-TEST(GemmAmx, OneOrTwoRowsOfE2m1WeightsMatchOracle) {
-  if (!isa_supported(Isa::amx)) GTEST_SKIP() << "no AMX-BF16 (or not granted) on this CPU";
-  ScopedIsa amx(Isa::amx);
+// take (2^121, zero, NaN), which go to the tiles (amx) or the FMA kernel (avx512_bf16); 1
+// and 2 threads bit for bit.
+TEST(GemmBf16Pairs, OneOrTwoRowsOfE2m1WeightsMatchOracle) {
+  if (bf16_pair_isas().empty()) GTEST_SKIP() << "no AVX512_BF16 or AMX-BF16 on this CPU";
   ThreadGuard guard;
+  for (const Isa pair_isa : bf16_pair_isas()) {
+  ScopedIsa scoped(pair_isa);
+  SCOPED_TRACE(isa_name(pair_isa));
   uint64_t seed = 9900;
   for (const int64_t m : {1, 2})
     for (const int64_t k : {64, 100, 1000, 2400})
@@ -921,7 +927,7 @@ TEST(GemmAmx, OneOrTwoRowsOfE2m1WeightsMatchOracle) {
             for (int64_t j = 0; j < row_bytes; ++j) codes[r * row_bytes + j] = static_cast<uint8_t>((j * 37 + r * 11) % 256);
           float* sf = qb.sf.data_ptr<float>();
           if (n > 12) {
-            sf[9 * groups + groups - 1] = 0x1p121f;  // beyond the table's shifts: the pass goes to the tiles
+            sf[9 * groups + groups - 1] = 0x1p121f;  // beyond the table's shifts: the pass goes elsewhere
             if (!packed) sf[3 * groups] = 0.0f;      // zero: the same (packed ue8m0 has no zero)
           }
           GemmOptions o;
@@ -947,6 +953,7 @@ TEST(GemmAmx, OneOrTwoRowsOfE2m1WeightsMatchOracle) {
           for (int64_t i = 0; i < m; ++i)
             for (int64_t j = 0; j < n; ++j) EXPECT_EQ(std::isnan(one.data_ptr<float>()[i * n + j]), j == 7) << "row " << i << ", column " << j;
         }
+  }
 }
 
 // tn calls accumulating into D in place (weight gradients) with one K block: on the

@@ -1346,12 +1346,14 @@ void stream_strip(const Stream& st, int64_t j0, int rows, float* acc) {
   if (!st.promoted) take_sums(st, false, acc);
 }
 
+void stream_small_m_tiles(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t n1, float* out, int64_t ld_out);
+
 #include "dot_row_amx.inc"
 
 // out[m, j - n0] = Σ_k a[m, k] · b[j, k] for m < a.mn (at most kStreamM), j in [n0, n1); B
 // K-major. A is packed once per call.
 void stream_small_m(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t n1, float* out, int64_t ld_out) {
-  if (fp4_dot_takes(a, b)) return fp4_dot_small_m(a, b, n0, n1, out, ld_out);
+  if (fp4_dot_takes(a, b)) return fp4_dot_small_m(a, b, n0, n1, out, ld_out, &stream_small_m_tiles);
   return stream_small_m_tiles(a, b, n0, n1, out, ld_out);
 }
 
@@ -1492,6 +1494,14 @@ void pack_a(const GemmOperand& op, int64_t mn0, int64_t count, int64_t k0, int64
 }
 void pack_b(const GemmOperand& op, int64_t mn0, int64_t count, int64_t k0, int64_t kc, int, float* out, PackNext) {
   pack_panels<true>(op, mn0, count, k0, kc, out);
+}
+
+bool dot_rows_take(const GemmOperand& a, const GemmOperand& b) { return dot_row_takes(a, b) || fp4_dot_takes(a, b); }
+
+void dot_rows(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t n1, float* out, int64_t ld_out,
+              SmallMFn fallback) {
+  if (dot_row_takes(a, b)) return dot_row_small_m(a, b, n0, n1, out, ld_out);
+  fp4_dot_small_m(a, b, n0, n1, out, ld_out, fallback);
 }
 
 bool prepare(GemmOperand& a, GemmOperand& b, int64_t kc) {

@@ -141,6 +141,14 @@ void tile(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, int
 
 bool prepare(GemmOperand& a, GemmOperand& b) { return bf16_panels::prepare(a, b, kKc); }
 
+// Small M (up to 4 rows, K-major): one or two rows against FP8 / FP4 weights take the bf16
+// dot products on weights decoded in registers; the rest the FMA kernel (B streamed once).
+void small_m(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t n1, float* out, int64_t ld_out) {
+  const bf16_panels::SmallMFn fma = gemm_kernels_avx512().small_m;
+  if (bf16_panels::dot_rows_take(a, b)) return bf16_panels::dot_rows(a, b, n0, n1, out, ld_out, fma);
+  fma(a, b, n0, n1, out, ld_out);
+}
+
 }  // namespace
 
 const GemmKernels& gemm_kernels_avx512_bf16() {
@@ -156,6 +164,7 @@ const GemmKernels& gemm_kernels_avx512_bf16() {
     t.begin_tiles = nullptr;
     t.panel_floats = &bf16_panels::panel_floats;
     t.prepare = &prepare;
+    t.small_m = &small_m;
     t.tiles_start_from_c = true;
     return t;
   }();
