@@ -905,9 +905,12 @@ void pack_panels(const GemmOperand& op, int64_t mn0, int64_t count, int64_t k0, 
       for (int h = 0; h < 2; ++h) {
         uint32_t* tile = reinterpret_cast<uint32_t*>(data + (2 * s + h) * kTileBytes);
         const uint8_t* from = base + s * step + h * half;
-        // 32 row streams of a weight far from cache: ask for each row's line 8 steps on.
+        // 32 row streams of a weight far from cache: ask for each row's line 20 steps (1280
+        // bytes) on, into L2. (Zen 5, 2 cores, bf16 weights 7168 x 16384, alternated runs:
+        // 16 rows 16.9-29 -> 13.4-15.3 ms, 128 rows 46-48 -> 42-48 ms, against 8 steps on
+        // into L1, which this was until 2026-12-02.)
         if (from_memory)
-          for (int r = 0; r < 16; ++r) __builtin_prefetch(from + r * row + 8 * step);
+          for (int r = 0; r < 16; ++r) _mm_prefetch(reinterpret_cast<const char*>(from + r * row + 20 * step), _MM_HINT_T1);
         if (transpose) transpose16(from, row, tile);
         else
           for (int r = 0; r < 16; ++r) std::memcpy(tile + r * 16, from + r * row, 64);

@@ -118,12 +118,18 @@ void rows_pass(int64_t kc, const float* a, const float* b, float* c, int64_t ldc
   else plain_rows<R0, R>(kc, a, b, c, ldc, accumulate);
 }
 
-// The passes that hold any of the first `rows` rows (a pass writes all its rows; the
-// passes past `rows` are skipped, e.g. two of three for a 16-row block of A).
+// Passes over the first `rows` rows only (padded panel rows are zero; a pass writes all its
+// rows): 12 + 12 + 8 for a full panel, fewer and narrower ones for a short panel (16 rows of
+// A, say: 8 + 8, not 12 + 12).
 void passes(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, int rows, bool accumulate) {
   const bool promoted = bf16_panels::header(a).promoted || bf16_panels::header(b).promoted;
+  if (rows <= 8) return rows_pass<0, 8>(kc, a, b, c, ldc, accumulate, promoted);
+  if (rows <= 16) {
+    rows_pass<0, 8>(kc, a, b, c, ldc, accumulate, promoted);
+    return rows_pass<8, 8>(kc, a, b, c, ldc, accumulate, promoted);
+  }
   rows_pass<0, 12>(kc, a, b, c, ldc, accumulate, promoted);
-  if (rows > 12) rows_pass<12, 12>(kc, a, b, c, ldc, accumulate, promoted);
+  rows_pass<12, 12>(kc, a, b, c, ldc, accumulate, promoted);
   if (rows > 24) rows_pass<24, 8>(kc, a, b, c, ldc, accumulate, promoted);
 }
 
