@@ -827,13 +827,14 @@ TEST(GemmAmx, StreamedE4m3WeightsEveryCode) {
       }
 }
 
-// One or two rows of A against e4m3 weights take bf16 dot products with the weights decoded
-// in registers (the AMX target's own order). Against the oracle: every code in rows of
+// One to four rows of A against e4m3 weights take bf16 dot products with the weights decoded
+// in registers (one or two rows on amx, whose tiles take more; up to four on avx512_bf16;
+// the path's own order). Against the oracle: every code in rows of
 // each decoder's kind (as above); a row of subnormals alone, with no zero among them (a zero
 // sends its block to the tables), and a row of the least normal code with one largest
 // subnormal, checked on their own, since next to larger codes they are too small to show;
 // K with a partial last 64-code block and partial last scale group; N ending mid-pass (8 or
-// 4 weight rows per pass); f32 and ue8m0 scales in 128 x 128 blocks and 1 x 32 groups (two
+// 4 or 2 weight rows per pass); f32 and ue8m0 scales in 128 x 128 blocks and 1 x 32 groups (two
 // groups per block). The same bits on one and two threads (1100 x 1000 weights are enough
 // for two), and a NaN code poisons its own column only.
 // An f32 D of `shape` from `call` on one thread, checked bit for bit against the same call
@@ -848,7 +849,7 @@ Tensor on_one_and_two_threads(const std::vector<int64_t>& shape, const std::func
   return one;
 }
 
-TEST(GemmBf16Pairs, OneOrTwoRowsOfE4m3WeightsMatchOracle) {
+TEST(GemmBf16Pairs, FewRowsOfE4m3WeightsMatchOracle) {
   if (bf16_pair_isas().empty()) GTEST_SKIP() << "no AVX512_BF16 or AMX-BF16 on this CPU";
   ThreadGuard guard;
   for (const Isa pair_isa : bf16_pair_isas()) {
@@ -859,7 +860,7 @@ TEST(GemmBf16Pairs, OneOrTwoRowsOfE4m3WeightsMatchOracle) {
     int64_t gran_mn, gran_k;
   };
   uint64_t seed = 9700;
-  for (const int64_t m : {1, 2})
+  for (const int64_t m : {1, 2, 3, 4})
     for (const int64_t k : {64, 100, 1000})
       for (const int64_t n : {1, 13, 1100})
         for (const Config cf : {Config{false, 128, 128}, Config{true, 128, 128}, Config{true, 1, 32}, Config{false, 1, 32}}) {
@@ -886,10 +887,15 @@ TEST(GemmBf16Pairs, OneOrTwoRowsOfE4m3WeightsMatchOracle) {
           const std::vector<double> want =
               ref::gemm(Layout::nt, {qa.values, qa.sf, 1, cf.gran_k}, {qb.values, qb.sf, cf.gran_mn, cf.gran_k});
           EXPECT_LE(ref::calc_diff(ref::to_f64(one), want), 1e-5);
+          // The subnormal rows element-wise, within the bound for f32 sums of k terms,
+          // 2k · 2^-24 · Σ|a·b| (their sums cancel: a relative bound on the result is not one).
+          const ref::Operand ra{qa.values, qa.sf, 1, cf.gran_k}, rb{qb.values, qb.sf, cf.gran_mn, cf.gran_k};
+          const std::vector<double> abs_dot = ref::gemm(Layout::nt, abs_operand(ra), abs_operand(rb));
           for (int64_t i = 0; i < m; ++i)
             for (int64_t j = 1; j < std::min<int64_t>(n, 3); ++j) {
-              const double w = want[static_cast<size_t>(i * n + j)];
-              EXPECT_NEAR(one.data_ptr<float>()[i * n + j], w, 1e-5 * std::abs(w)) << "subnormal codes, row " << i << ", column " << j;
+              const auto e = static_cast<size_t>(i * n + j);
+              EXPECT_NEAR(one.data_ptr<float>()[i * n + j], want[e], 2.0 * static_cast<double>(k) * 0x1p-24 * abs_dot[e])
+                  << "subnormal codes, row " << i << ", column " << j;
             }
           if (n < 13) continue;
           codes[5 * k + k - 1] = 0xff;  // a NaN code, in the last block of a row of normal codes
@@ -901,19 +907,19 @@ TEST(GemmBf16Pairs, OneOrTwoRowsOfE4m3WeightsMatchOracle) {
   }
 }
 
-// One or two rows of A against FP4 weights with foldable (power-of-two) scales take the
-// FP4 dot path (dot_row_amx.inc): every pair of codes, f32 and packed ue8m0 scales, K
+// One or two rows of A (up to four on avx512_bf16) against FP4 weights with foldable
+// (power-of-two) scales take the FP4 dot path (dot_row_amx.inc): every pair of codes, f32 and packed ue8m0 scales, K
 // tails, rows before and after a pass boundary, and passes holding a scale the table cannot
 // take (2^121, zero, NaN), which go to the tiles (amx) or the FMA kernel (avx512_bf16); 1
 // and 2 threads bit for bit.
-TEST(GemmBf16Pairs, OneOrTwoRowsOfE2m1WeightsMatchOracle) {
+TEST(GemmBf16Pairs, FewRowsOfE2m1WeightsMatchOracle) {
   if (bf16_pair_isas().empty()) GTEST_SKIP() << "no AVX512_BF16 or AMX-BF16 on this CPU";
   ThreadGuard guard;
   for (const Isa pair_isa : bf16_pair_isas()) {
   ScopedIsa scoped(pair_isa);
   SCOPED_TRACE(isa_name(pair_isa));
   uint64_t seed = 9900;
-  for (const int64_t m : {1, 2})
+  for (const int64_t m : {1, 2, 3, 4})
     for (const int64_t k : {64, 100, 1000, 2400})
       for (const int64_t n : {1, 13, 1100})
         for (const bool packed : {false, true}) {

@@ -51,12 +51,13 @@ void pack_b(const GemmOperand& op, int64_t mn0, int64_t count, int64_t k0, int64
 // so that groups are whole steps and every block starts a group). Marks promoted operands.
 bool prepare(GemmOperand& a, GemmOperand& b, int64_t kc);
 
-// One or two K-major rows of A (prepared as above) against K-major e4m3 weights, or e2m1
-// weights with folded scales: vdpbf16ps on weights decoded in registers (dot_row_amx.inc).
-// Passes of FP4 weights whose scales do not fold go to `fallback`. GemmKernels::small_m's
-// contract; needs AVX512_BF16, VBMI and GFNI (dot_rows_take checks).
+// Up to max_rows (at most 4) K-major rows of A (prepared as above) against K-major e4m3
+// weights, or e2m1 weights with folded scales: vdpbf16ps on weights decoded in registers
+// (dot_row_amx.inc). Passes of FP4 weights whose scales do not fold go to `fallback`.
+// GemmKernels::small_m's contract (dot_rows takes what dot_rows_take took); needs
+// AVX512_BF16, VBMI and GFNI (dot_rows_take checks).
 using SmallMFn = void (*)(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t n1, float* out, int64_t ld_out);
-bool dot_rows_take(const GemmOperand& a, const GemmOperand& b);
+bool dot_rows_take(const GemmOperand& a, const GemmOperand& b, int64_t max_rows);
 void dot_rows(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t n1, float* out, int64_t ld_out,
               SmallMFn fallback);
 

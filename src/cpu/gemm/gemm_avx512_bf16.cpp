@@ -147,11 +147,11 @@ void tile(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, int
 
 bool prepare(GemmOperand& a, GemmOperand& b) { return bf16_panels::prepare(a, b, kKc); }
 
-// Small M (up to 4 rows, K-major): one or two rows against FP8 / FP4 weights take the bf16
-// dot products on weights decoded in registers; the rest the FMA kernel (B streamed once).
+// Small M (up to 4 rows, K-major): FP8 / FP4 weights take the bf16 dot products on weights
+// decoded in registers; bf16 weights the FMA kernel (B streamed once).
 void small_m(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t n1, float* out, int64_t ld_out) {
   const bf16_panels::SmallMFn fma = gemm_kernels_avx512().small_m;
-  if (bf16_panels::dot_rows_take(a, b)) return bf16_panels::dot_rows(a, b, n0, n1, out, ld_out, fma);
+  if (bf16_panels::dot_rows_take(a, b, kGemmSmallM)) return bf16_panels::dot_rows(a, b, n0, n1, out, ld_out, fma);
   fma(a, b, n0, n1, out, ld_out);
 }
 
