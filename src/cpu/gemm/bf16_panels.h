@@ -46,6 +46,11 @@ void pack_a(const GemmOperand& op, int64_t mn0, int64_t count, int64_t k0, int64
 void pack_b(const GemmOperand& op, int64_t mn0, int64_t count, int64_t k0, int64_t kc, int width, float* out,
             PackNext next);
 
+// The GemmKernels fields every bf16-panel target shares (mr = nr = kWidth, the packs, panel
+// sizes, tiles that may start from C), on the avx512 table; the target sets its tile,
+// prepare and small-M kernel.
+GemmKernels panel_kernels(int64_t kc, int64_t mc);
+
 // Whether both operands can be packed for a target whose K blocks are `kc` deep (bf16,
 // e4m3 or e2m1 values; scales folded exactly or promoted per K group of 32 * 2^j up to kc,
 // so that groups are whole steps and every block starts a group). Marks promoted operands.

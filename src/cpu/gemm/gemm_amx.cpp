@@ -1517,28 +1517,33 @@ bool prepare(GemmOperand& a, GemmOperand& b, int64_t kc) {
   return true;
 }
 
+GemmKernels panel_kernels(int64_t kc, int64_t mc) {
+  GemmKernels t = gemm_kernels_avx512();  // (the FMA small-M kernel unless the target sets its own)
+  t.mr = kWidth;
+  t.nr = kWidth;
+  t.kc = kc;
+  t.mc = mc;
+  t.pack = &pack_a;
+  t.pack_b = &pack_b;
+  t.panel_floats = &panel_floats;
+  t.tiles_start_from_c = true;
+  return t;
+}
+
 }  // namespace bf16_panels
 
 const GemmKernels& gemm_kernels_amx() {
   static const GemmKernels k = [] {
-    GemmKernels t = gemm_kernels_avx512();  // small M (memory-bound streaming) stays FMA
-    t.mr = kMr;
-    t.nr = kNr;
-    t.kc = kKc;
-    t.mc = kMc;
-    t.pack = &bf16_panels::pack_a;
-    t.pack_b = &bf16_panels::pack_b;
+    GemmKernels t = bf16_panels::panel_kernels(kKc, kMc);
     t.tile = &tile;
     // ldtilecfg per tile had been 10-18 % of a k-grouped call (K = 512: a tile is 16 steps).
     t.begin_tiles = &begin_tiles;
-    t.panel_floats = &panel_floats;
     t.prepare = &prepare;
     t.small_m = &stream_small_m;
     t.small_m_rows = kStreamM;
     t.small_m_cols = 4096;
     t.small_m_align = kMr;
     t.small_m_any_a = true;
-    t.tiles_start_from_c = true;
     return t;
   }();
   return k;

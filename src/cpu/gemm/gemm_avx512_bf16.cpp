@@ -159,19 +159,10 @@ void small_m(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t n1,
 
 const GemmKernels& gemm_kernels_avx512_bf16() {
   static const GemmKernels k = [] {
-    GemmKernels t = gemm_kernels_avx512();  // small M (memory-bound streaming) stays FMA
-    t.mr = kMr;
-    t.nr = kNr;
-    t.kc = kKc;
-    t.mc = kMc;
-    t.pack = &bf16_panels::pack_a;
-    t.pack_b = &bf16_panels::pack_b;
+    GemmKernels t = bf16_panels::panel_kernels(kKc, kMc);
     t.tile = &tile;
-    t.begin_tiles = nullptr;
-    t.panel_floats = &bf16_panels::panel_floats;
     t.prepare = &prepare;
     t.small_m = &small_m;
-    t.tiles_start_from_c = true;
     return t;
   }();
   return k;
