@@ -1,6 +1,8 @@
 // AMX target (Isa::amx): a 32 x 32 f32 output tile held as four 16 x 16 AMX tiles, fed by
 // bf16 micro-panels laid out as the tiles load them. Reached via dispatch only, on CPUs
-// with AMX-BF16 that the OS granted to this process.
+// with AMX-BF16 that the OS granted to this process. The packing of those panels (AVX-512
+// code only) and the register-decoded dot products for a few rows of A (dot_row_amx.inc)
+// also serve the avx512_bf16 target (bf16_panels.h, gemm_avx512_bf16.cpp).
 //
 // Accuracy class: tdpbf16ps sums each pair of products into the f32 accumulator with its own
 // rounding and flushes denormal inputs and outputs, so the results are not the FMA paths'
