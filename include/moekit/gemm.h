@@ -85,10 +85,10 @@ inline void fp8_gemm_tt(const Quantized& a, const Quantized& b, const Tensor& d,
 // calls (so it stays valid if the active ISA changes). Under Isa::amx and
 // Isa::avx512_bf16 the weights are packed for those kernels wherever they take them (bf16
 // panels, 2 bytes per weight; docs/GEMM.md), and activations whose scale groups the panels
-// cannot promote (not 32 · 2^j, up to 2048 / 1024) are then refused, naming `a`. Results are bit-identical to the
-// unpacked call whenever that one packs B as well (M > 4, or B not K-major), for any
-// thread count and ISA; at M <= 4 the unpacked call streams B instead (the faster choice
-// for decoding from DRAM), so the two may round differently there.
+// cannot promote (not 32 · 2^j, up to 2048 / 1024) are then refused, naming `a`. Results
+// are bit-identical to the unpacked call whenever that one packs B as well (M > 4, or B
+// not K-major), for any thread count and ISA; at M <= 4 the unpacked call streams B
+// instead (the faster choice for decoding from DRAM), so the two may round differently.
 class PackedWeights {
  public:
   PackedWeights() = default;

@@ -40,8 +40,8 @@ bool isa_supported(Isa isa);
 bool amx_permitted();
 Isa best_supported_isa();
 
-// The level kernels dispatch to: MOEKIT_ISA=scalar|avx2|avx512|avx512_bf16|amx if set (Error if this CPU
-// lacks it), else the best supported. set_active_isa overrides it for the process (tests
+// The level kernels dispatch to: MOEKIT_ISA=scalar|avx2|avx512|avx512_bf16|amx if set (Error
+// if this CPU lacks it), else the best supported. set_active_isa overrides it for the process (tests
 // use it to run every path); ScopedIsa restores the previous choice.
 Isa active_isa();
 void set_active_isa(Isa isa);
