@@ -38,21 +38,28 @@ Timing time_it(const std::function<void()>& fn, int repeats, int warmup) {
   return {us[us.size() / 2], us.front(), repeats};
 }
 
+std::vector<Timing> time_round_robin(const std::vector<std::function<void()>>& fns, int repeats, int warmup) {
+  for (int i = 0; i < warmup; ++i)
+    for (const auto& f : fns) f();
+  std::vector<std::vector<double>> us(fns.size());
+  for (int i = 0; i < repeats; ++i)
+    for (size_t j = 0; j < fns.size(); ++j) {
+      const auto t0 = std::chrono::steady_clock::now();
+      fns[j]();
+      us[j].push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+    }
+  std::vector<Timing> out;
+  for (auto& v : us) {
+    std::sort(v.begin(), v.end());
+    out.push_back(Timing{v[v.size() / 2], v.front(), repeats});
+  }
+  return out;
+}
+
 std::pair<Timing, Timing> time_interleaved(const std::function<void()>& fn, const std::function<void()>& peer,
                                            int repeats, int warmup) {
-  for (int i = 0; i < warmup; ++i) fn(), peer();
-  std::vector<double> a, b;
-  auto once = [](const std::function<void()>& f) {
-    const auto t0 = std::chrono::steady_clock::now();
-    f();
-    return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
-  };
-  for (int i = 0; i < repeats; ++i) a.push_back(once(fn)), b.push_back(once(peer));
-  auto summarise = [&](std::vector<double>& v) {
-    std::sort(v.begin(), v.end());
-    return Timing{v[v.size() / 2], v.front(), repeats};
-  };
-  return {summarise(a), summarise(b)};
+  const std::vector<Timing> t = time_round_robin({fn, peer}, repeats, warmup);
+  return {t[0], t[1]};
 }
 
 void RunCeilings::remeasure() {

@@ -28,6 +28,8 @@ Timing time_it(const std::function<void()>& fn, int repeats = 10, int warmup = 1
 // host is shared; back-to-back blocks of runs can land in different load phases).
 std::pair<Timing, Timing> time_interleaved(const std::function<void()>& fn, const std::function<void()>& peer,
                                            int repeats, int warmup = 1);
+// Any number of functions, run in turn within every repeat.
+std::vector<Timing> time_round_robin(const std::vector<std::function<void()>>& fns, int repeats, int warmup = 1);
 
 struct Row {
   std::string kernel, shape, dtype, backend = "cpu";

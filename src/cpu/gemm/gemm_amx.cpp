@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -1225,6 +1226,9 @@ class StripSource {
       for (int r = 0; r < rows; ++r) sf_rows_[r] = scale_row(b, j0 + r);
   }
 
+  int64_t first_row() const { return j0_; }
+  int rows() const { return rows_; }
+
   // Chunk [k0, k0 + kChunk) as A tiles: where they are (plain bf16 rows in place) or
   // decoded into `words` (rows past the strip's stay as they are: a 16-row strip loads
   // only rows 0-15); sets the row stride.
@@ -1304,40 +1308,56 @@ bool same_scale_row(const void* const* sf_rows, int rows) {
   return std::all_of(sf_rows, sf_rows + rows, [&](const void* r) { return r == sf_rows[0]; });
 }
 
+// Where a strip's first chunk is: decoded during the previous strip's last chunk (`ready`,
+// in buffers[buffer]), or still to be decoded (into buffers[buffer]).
+struct StripCursor {
+  int buffer = 0;
+  bool ready = false;
+};
+
 // Weight rows [j0, j0 + rows) against every row of A, all of K: acc[n * 32 + m].
-// Software-pipelined: chunk c + 1 is decoded before (or, raw e4m3, a few rows before each
-// step of) the products of chunk c, so the tile loads read words stored well before them
-// (tile loads wait for earlier stores to reach the cache) and the products overlap the
-// next decode.
-void stream_strip(const Stream& st, int64_t j0, int rows, float* acc) {
+// Software-pipelined: chunk c + 1 is decoded before (or, where it can be decoded by rows, a
+// few rows before each step of) the products of chunk c, so the tile loads read words stored
+// well before them (tile loads wait for earlier stores to reach the cache) and the products
+// overlap the next decode. The last chunk's steps likewise decode the first chunk of the
+// next strip (`next`, null if none), so that short K (one or two chunks a strip) overlaps as
+// long K does; `cursor` carries that chunk from strip to strip.
+void stream_strip(const Stream& st, const StripSource& source, int rows, const StripSource* next, StripCursor& cursor,
+                  float* acc) {
   const GemmOperand& b = st.b;
   const int64_t k = b.k, steps = step_count(k);
-  const StripSource source(b, j0, rows, st.strip);
   alignas(64) static thread_local uint32_t buffers[2][kMr * kChunkWords];
   alignas(64) float part[kMr * kNr], sb[kMr];
   StripSource::Shifts next_shifts;
   const void* sf_rows[kMr] = {};
   if (b.promote)
-    for (int r = 0; r < rows; ++r) sf_rows[r] = scale_row(b, j0 + r);
+    for (int r = 0; r < rows; ++r) sf_rows[r] = scale_row(b, source.first_row() + r);
   // Rows of one row of scales (128 x 128 FP8 weights: every strip) take one lookup per group.
   const bool one_scale_row = b.promote && same_scale_row(sf_rows, rows);
   for (int r = 0; r < st.strip; ++r) sb[r] = b.promote && r >= rows ? 0.0f : 1.0f;
   if (st.promoted) std::memset(acc, 0, sizeof(float) * kMr * kNr);
   zero_c();
   int64_t group = 0;  // promotion groups finished
-  int64_t stride = 0, next_stride = 0;
-  const uint8_t* w = source.chunk(0, buffers[0], stride);
+  int64_t stride = kChunkWords * 4, next_stride = 0;
+  int current = cursor.buffer;
+  const uint8_t* w = cursor.ready ? reinterpret_cast<const uint8_t*>(buffers[current]) : source.chunk(0, buffers[current], stride);
+  cursor.ready = false;
   for (int64_t k0 = 0; k0 < k; k0 += kChunk) {
-    uint32_t* next_words = buffers[(k0 / kChunk + 1) & 1];
+    uint32_t* next_words = buffers[current ^ 1];
     const int64_t first = k0 / kStep, n = step_count(std::min(kChunk, k - k0));  // steps [first, first + n) of K
-    // The next chunk a few rows per step of this one where it can, so that the products
-    // are spread through the decode (whose loads wait on memory); else all of it first.
-    // (Raw e4m3, 16 x 7168 x 16384 on one thread: 16 -> 13 ms.)
-    const bool interleave = k0 + kChunk < k && n == kChunk / kStep && source.rowwise(k0 + kChunk, next_shifts);
-    const int per_step = (rows + static_cast<int>(n) - 1) / static_cast<int>(n);
-    const uint8_t* next = nullptr;
-    if (interleave) next = reinterpret_cast<const uint8_t*>(next_words), next_stride = kChunkWords * 4;
-    else if (k0 + kChunk < k) next = source.chunk(k0 + kChunk, next_words, next_stride);
+    const bool last = k0 + kChunk >= k;
+    // The chunk after this one (of this strip, or the next strip's first) a few rows per
+    // step where it can, so that the products are spread through the decode (whose loads
+    // wait on memory); else, within the strip, all of it first. (Raw e4m3, 16 x 7168 x
+    // 16384 on one thread: 16 -> 13 ms.)
+    const StripSource* decoder = last ? next : &source;
+    const int64_t next_k0 = last ? 0 : k0 + kChunk;
+    const bool interleave = decoder && (last || n == kChunk / kStep) && decoder->rowwise(next_k0, next_shifts);
+    const int decode_rows = decoder ? decoder->rows() : 0;
+    const int per_step = (decode_rows + static_cast<int>(n) - 1) / static_cast<int>(n);
+    const uint8_t* following = nullptr;
+    if (interleave) following = reinterpret_cast<const uint8_t*>(next_words), next_stride = kChunkWords * 4;
+    else if (!last) following = source.chunk(next_k0, next_words, next_stride);
     const uint8_t* x = st.narrow_tiles ? st.narrow_tiles + first * kTileBytes
                                        : panel_steps(st.act + (k0 / kKc) * panel_floats(kKc, kMr)) + (k0 % kKc) / kStep * 2 * kTileBytes;
     for (int64_t s = 0; s < n;) {
@@ -1345,8 +1365,8 @@ void stream_strip(const Stream& st, int64_t j0, int rows, float* acc) {
       int64_t end = st.promoted ? std::min(n, group_end - first) : n;
       if (interleave) {
         end = s + 1;
-        const int r0 = std::min(rows, static_cast<int>(s) * per_step), r1 = std::min(rows, r0 + per_step);
-        if (r0 < r1) source.decode_rows(k0 + kChunk, r0, r1, next_shifts, next_words);
+        const int r0 = std::min(decode_rows, static_cast<int>(s) * per_step), r1 = std::min(decode_rows, r0 + per_step);
+        if (r0 < r1) decoder->decode_rows(next_k0, r0, r1, next_shifts, next_words);
       }
       run_steps_streamed(st, group & 1, w, stride, x, s, end);
       s = end;
@@ -1362,7 +1382,9 @@ void stream_strip(const Stream& st, int64_t j0, int rows, float* acc) {
         ++group;
       }
     }
-    w = next, stride = next_stride;
+    current ^= 1;
+    if (last) cursor = {current, interleave};
+    w = following, stride = next_stride;
   }
   if (!st.promoted) take_sums(st, false, acc);
 }
@@ -1425,9 +1447,15 @@ void stream_small_m_tiles(const GemmOperand& a, const GemmOperand& b, int64_t n0
   }
   const Stream st{a, b, act, sa, shape, strip, promoted, group, narrow_tiles};
   alignas(64) float acc[kMr * kNr];
-  for (int64_t j0 = n0; j0 < n1; j0 += strip) {
-    const int rows = static_cast<int>(std::min<int64_t>(strip, n1 - j0));
-    stream_strip(st, j0, rows, acc);
+  std::optional<StripSource> sources[2];  // this strip's and the next one's
+  auto strip_rows = [&](int64_t j0) { return static_cast<int>(std::min<int64_t>(strip, n1 - j0)); };
+  if (n0 < n1) sources[0].emplace(b, n0, strip_rows(n0), strip);
+  StripCursor cursor;
+  for (int64_t j0 = n0, i = 0; j0 < n1; j0 += strip, i ^= 1) {
+    const int rows = strip_rows(j0);
+    StripSource* next = nullptr;
+    if (j0 + strip < n1) next = &sources[i ^ 1].emplace(b, j0 + strip, strip_rows(j0 + strip), strip);
+    stream_strip(st, *sources[i], rows, next, cursor, acc);
     for (int64_t m = 0; m < a.mn; ++m)
       for (int n = 0; n < rows; ++n) out[m * ld_out + (j0 - n0) + n] = acc[n * kNr + m];
   }
