@@ -1078,16 +1078,17 @@ void tile(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, int
 // step for step (tdpbf16ps is symmetric in its operands; the same steps, groups and
 // promotion fma in the same order), so a call gives the same bits whichever path its M takes.
 //
-// Promoted scales send each K group's sums out of the tiles; draining all four C tiles at
-// once stalls the products. So two of the four C tiles hold a strip and the other two the
-// next K group, and storing and promoting one group overlaps the next group's products:
-//  - narrow (at most 16 rows of A): strips of 32 weight rows, one activation tile
-//    column; groups alternate between tiles (0, 2) and (1, 3);
-//  - wide, promoted (17 to 32 rows of A): strips of 16 weight rows, both activation tile
-//    columns; groups alternate between tiles (0, 1) and (2, 3);
-//  - wide, not promoted: strips of 32 rows on all four C tiles (no group ends to drain).
+// Strips of 32 weight rows. Promoted scales send each K group's sums out of the tiles:
+//  - narrow (at most 16 rows of A): one activation tile column, so two of the four C tiles
+//    hold a strip; groups alternate between tiles (0, 2) and (1, 3), and storing and
+//    promoting one group overlaps the next group's products;
+//  - wide (17 to 32 rows of A): both activation tile columns on all four C tiles, drained
+//    together at each group's end. (Strips of 16 weight rows whose groups alternated
+//    between tiles (0, 1) and (2, 3), as narrow strips do, loaded twice the tiles per weight
+//    and promoted twice as often per weight: masked-decode-sized calls, 20 or 32 x 4096 x
+//    7168 FP8 with f32 activation scales, ran 5-20 % slower, alternated; docs/GEMM.md.)
 
-enum class StreamShape : uint8_t { narrow, wide_half, wide };
+enum class StreamShape : uint8_t { narrow, wide };
 
 struct Stream {
   const GemmOperand& a;  // activations: columns of the C tiles
@@ -1095,7 +1096,6 @@ struct Stream {
   const float* act;      // A's panels, one per K block of kKc
   const float* sa;       // A's scale per promotion group and row: sa[g * 32 + m] (1 if A is not promoted)
   StreamShape shape;
-  int strip;             // weight rows per strip: 16 (wide_half) or 32
   bool promoted;
   int64_t group_steps;   // steps per promotion group
   const uint8_t* narrow_tiles;  // narrow: the first tile of every step of A, contiguous
@@ -1114,23 +1114,6 @@ inline void narrow_steps(const uint8_t* w, int64_t stride, const uint8_t* x, int
     } else {
       _tile_dpbf16ps(0, 4, 6);
       _tile_dpbf16ps(2, 5, 6);
-    }
-  }
-}
-
-template <bool kOdd>
-inline void half_steps(const uint8_t* w, int64_t stride, const uint8_t* x, int64_t s0, int64_t s1) {
-  for (int64_t s = s0; s < s1; ++s) {
-    const uint8_t* xs = x + s * 2 * kTileBytes;
-    _tile_loadd(4, w + s * 64, stride);
-    _tile_loadd(6, xs, 64);
-    _tile_loadd(7, xs + kTileBytes, 64);
-    if constexpr (kOdd) {
-      _tile_dpbf16ps(2, 4, 6);
-      _tile_dpbf16ps(3, 4, 7);
-    } else {
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
     }
   }
 }
@@ -1154,7 +1137,6 @@ void run_steps_streamed(const Stream& st, bool odd, const uint8_t* w, int64_t st
                         int64_t s1) {
   switch (st.shape) {
     case StreamShape::wide: return wide_steps(w, stride, x, s0, s1);
-    case StreamShape::wide_half: return odd ? half_steps<true>(w, stride, x, s0, s1) : half_steps<false>(w, stride, x, s0, s1);
     case StreamShape::narrow: return odd ? narrow_steps<true>(w, stride, x, s0, s1) : narrow_steps<false>(w, stride, x, s0, s1);
   }
 }
@@ -1169,19 +1151,14 @@ void run_steps_streamed(const Stream& st, bool odd, const uint8_t* w, int64_t st
     _tile_zero(t1);                                  \
   } while (0)
 
-// The C tiles of group parity `odd` to sums[n * 32 + m] (narrow: columns 0-15 only;
-// wide_half: rows 0-15 only), then zeroed.
+// The C tiles of group parity `odd` to sums[n * 32 + m] (narrow: columns 0-15 only), then
+// zeroed.
 void take_sums(const Stream& st, bool odd, float* sums) {
   float* lower = sums + 16 * kNr;  // narrow: weight rows 16-31
-  float* right = sums + 16;        // wide_half: activations 16-31
   switch (st.shape) {
     case StreamShape::wide:
       store_c(sums, kNr * 4);
       return zero_c();
-    case StreamShape::wide_half:
-      if (odd) MOEKIT_TAKE_TILE_PAIR(2, sums, 3, right);
-      else MOEKIT_TAKE_TILE_PAIR(0, sums, 1, right);
-      return;
     case StreamShape::narrow:
       if (odd) MOEKIT_TAKE_TILE_PAIR(1, sums, 3, lower);
       else MOEKIT_TAKE_TILE_PAIR(0, sums, 2, lower);
@@ -1215,8 +1192,8 @@ class StripSource {
     alignas(64) int16_t values[kMr * kGroups];
   };
 
-  StripSource(const GemmOperand& b, int64_t j0, int rows, int strip)
-      : b_(b), j0_(j0), rows_(rows), full_(rows == strip), row_bytes_(b.ld * static_cast<int64_t>(element_size(b.dtype))),
+  StripSource(const GemmOperand& b, int64_t j0, int rows)
+      : b_(b), j0_(j0), rows_(rows), full_(rows == kMr), row_bytes_(b.ld * static_cast<int64_t>(element_size(b.dtype))),
         first_row_(row_ptr(b, j0)),
         raw_e4m3_(b.dtype == DType::e4m3 && (!b.sf || b.promote) && cpu_features().avx512vbmi),
         folded_e4m3_(b.dtype == DType::e4m3 && b.sf && !b.promote && b.gran_k % 32 == 0 && cpu_features().avx512vbmi),
@@ -1230,8 +1207,8 @@ class StripSource {
   int rows() const { return rows_; }
 
   // Chunk [k0, k0 + kChunk) as A tiles: where they are (plain bf16 rows in place) or
-  // decoded into `words` (rows past the strip's stay as they are: a 16-row strip loads
-  // only rows 0-15); sets the row stride.
+  // decoded into `words` (rows past a short strip's end stay as they are: their sums are
+  // never read); sets the row stride.
   const uint8_t* chunk(int64_t k0, uint32_t* words, int64_t& stride) const {
     const int64_t len = std::min(kChunk, b_.k - k0);
     stride = kChunkWords * 4;
@@ -1259,8 +1236,8 @@ class StripSource {
     return false;
   }
   // Rows [r0, r1) of chunk k0, as chunk() lays them out (rowwise(k0, shifts) must hold).
-  // Requests the same rows of the chunk after into L2 meanwhile: a strip reads 16 or 32
-  // rows a few lines at a time, streams the hardware prefetcher follows poorly (FP4, 16 x
+  // Requests the same rows of the chunk after into L2 meanwhile: a strip reads 32 rows a
+  // few lines at a time, streams the hardware prefetcher follows poorly (FP4, 16 x
   // 7168 x 16384 on one thread: the first load of each row was 60 % of the decoder's time).
   void decode_rows(int64_t k0, int r0, int r1, const Shifts& shifts, uint32_t* words) const {
     if (b_.k - k0 >= 2 * kChunk) {
@@ -1334,7 +1311,7 @@ void stream_strip(const Stream& st, const StripSource& source, int rows, const S
     for (int r = 0; r < rows; ++r) sf_rows[r] = scale_row(b, source.first_row() + r);
   // Rows of one row of scales (128 x 128 FP8 weights: every strip) take one lookup per group.
   const bool one_scale_row = b.promote && same_scale_row(sf_rows, rows);
-  for (int r = 0; r < st.strip; ++r) sb[r] = b.promote && r >= rows ? 0.0f : 1.0f;
+  for (int r = 0; r < kMr; ++r) sb[r] = b.promote && r >= rows ? 0.0f : 1.0f;
   if (st.promoted) std::memset(acc, 0, sizeof(float) * kMr * kNr);
   zero_c();
   int64_t group = 0;  // promotion groups finished
@@ -1378,7 +1355,7 @@ void stream_strip(const Stream& st, const StripSource& source, int rows, const S
           else
             for (int r = 0; r < rows; ++r) sb[r] = group_scale(b, sf_rows[r], g);
         }
-        promote_strip(part, st.sa + group * kMr, sb, st.strip, st.shape != StreamShape::narrow, acc);
+        promote_strip(part, st.sa + group * kMr, sb, kMr, st.shape != StreamShape::narrow, acc);
         ++group;
       }
     }
@@ -1428,8 +1405,7 @@ void stream_small_m_tiles(const GemmOperand& a, const GemmOperand& b, int64_t n0
       sa[g * kMr + m] = !a.promote ? 1.0f : sf_row ? group_scale(a, sf_row, g * group * kStep / a.gran_k) : 0.0f;
   }
   const bool promoted = a.promote || b.promote;
-  const StreamShape shape = a.mn <= 16 ? StreamShape::narrow : promoted ? StreamShape::wide_half : StreamShape::wide;
-  const int strip = shape == StreamShape::wide_half ? 16 : kMr;
+  const StreamShape shape = a.mn <= 16 ? StreamShape::narrow : StreamShape::wide;
   // Narrow: the first tile of every step of A (the second is empty), contiguous, out of the
   // panels (where each K block's lie between a header and its scales, two tiles a step): the
   // 1 KiB a step loads (every strip reads them all from L2) then lie 1 KiB apart instead of 2,
@@ -1445,16 +1421,16 @@ void stream_small_m_tiles(const GemmOperand& a, const GemmOperand& b, int64_t n0
                   panel_steps(act + (s * kStep / kKc) * panel_floats(kKc, kMr)) + (s % (kKc / kStep)) * 2 * kTileBytes,
                   kTileBytes);
   }
-  const Stream st{a, b, act, sa, shape, strip, promoted, group, narrow_tiles};
+  const Stream st{a, b, act, sa, shape, promoted, group, narrow_tiles};
   alignas(64) float acc[kMr * kNr];
   std::optional<StripSource> sources[2];  // this strip's and the next one's
-  auto strip_rows = [&](int64_t j0) { return static_cast<int>(std::min<int64_t>(strip, n1 - j0)); };
-  if (n0 < n1) sources[0].emplace(b, n0, strip_rows(n0), strip);
+  auto strip_rows = [&](int64_t j0) { return static_cast<int>(std::min<int64_t>(kMr, n1 - j0)); };
+  if (n0 < n1) sources[0].emplace(b, n0, strip_rows(n0));
   StripCursor cursor;
-  for (int64_t j0 = n0, i = 0; j0 < n1; j0 += strip, i ^= 1) {
+  for (int64_t j0 = n0, i = 0; j0 < n1; j0 += kMr, i ^= 1) {
     const int rows = strip_rows(j0);
     StripSource* next = nullptr;
-    if (j0 + strip < n1) next = &sources[i ^ 1].emplace(b, j0 + strip, strip_rows(j0 + strip), strip);
+    if (j0 + kMr < n1) next = &sources[i ^ 1].emplace(b, j0 + kMr, strip_rows(j0 + kMr));
     stream_strip(st, *sources[i], rows, next, cursor, acc);
     for (int64_t m = 0; m < a.mn; ++m)
       for (int n = 0; n < rows; ++n) out[m * ld_out + (j0 - n0) + n] = acc[n * kNr + m];
