@@ -1167,18 +1167,27 @@ void take_sums(const Stream& st, bool odd, float* sums) {
 }
 #undef MOEKIT_TAKE_TILE_PAIR
 
-// acc[n][m] = fma(part[n][m], sa[m] · sb[n], acc[n][m]) for n < rows (and m < 16 unless
+// acc[n][m] = fma(part[n][m], sa[m] · sb[n], acc[n][m]) for every row of the strip (and m < 16 unless
 // wide): the blocked path's promotion, transposed.
-void promote_strip(const float* part, const float* sa, const float* sb, int rows, bool wide, float* acc) {
+template <bool kWide, bool kUniform>
+void promote_strip_as(const float* part, const float* sa, const float* sb, float* acc) {
   const __m512 sa0 = _mm512_loadu_ps(sa), sa1 = _mm512_loadu_ps(sa + 16);
-  for (int n = 0; n < rows; ++n) {
+  // (Uniform: every row's product sa[m] · sb[n] is the same, made once.)
+  const __m512 uniform0 = _mm512_mul_ps(sa0, _mm512_set1_ps(sb[0])), uniform1 = _mm512_mul_ps(sa1, _mm512_set1_ps(sb[0]));
+  for (int n = 0; n < kMr; ++n) {
     const __m512 bn = _mm512_set1_ps(sb[n]);
     float* row = acc + n * kNr;
-    _mm512_store_ps(row, _mm512_fmadd_ps(_mm512_load_ps(part + n * kNr), _mm512_mul_ps(sa0, bn), _mm512_load_ps(row)));
-    if (wide)
-      _mm512_store_ps(row + 16,
-                      _mm512_fmadd_ps(_mm512_load_ps(part + n * kNr + 16), _mm512_mul_ps(sa1, bn), _mm512_load_ps(row + 16)));
+    const __m512 s0 = kUniform ? uniform0 : _mm512_mul_ps(sa0, bn);
+    _mm512_store_ps(row, _mm512_fmadd_ps(_mm512_load_ps(part + n * kNr), s0, _mm512_load_ps(row)));
+    if constexpr (kWide) {
+      const __m512 s1 = kUniform ? uniform1 : _mm512_mul_ps(sa1, bn);
+      _mm512_store_ps(row + 16, _mm512_fmadd_ps(_mm512_load_ps(part + n * kNr + 16), s1, _mm512_load_ps(row + 16)));
+    }
   }
+}
+void promote_strip(const float* part, const float* sa, const float* sb, bool wide, bool uniform, float* acc) {
+  if (wide) return uniform ? promote_strip_as<true, true>(part, sa, sb, acc) : promote_strip_as<true, false>(part, sa, sb, acc);
+  return uniform ? promote_strip_as<false, true>(part, sa, sb, acc) : promote_strip_as<false, false>(part, sa, sb, acc);
 }
 
 // One strip's weights for the tiles: rows [j0, j0 + rows) of B (rows at most the strip),
@@ -1312,6 +1321,8 @@ void stream_strip(const Stream& st, const StripSource& source, int rows, const S
   // Rows of one row of scales (128 x 128 FP8 weights: every strip) take one lookup per group.
   const bool one_scale_row = b.promote && same_scale_row(sf_rows, rows);
   for (int r = 0; r < kMr; ++r) sb[r] = b.promote && r >= rows ? 0.0f : 1.0f;
+  // Every row's weight scale the same (no weight scales, or a full strip of one row of scales).
+  const bool uniform_sb = !b.promote || (one_scale_row && rows == kMr);
   if (st.promoted) std::memset(acc, 0, sizeof(float) * kMr * kNr);
   zero_c();
   int64_t group = 0;  // promotion groups finished
@@ -1355,7 +1366,7 @@ void stream_strip(const Stream& st, const StripSource& source, int rows, const S
           else
             for (int r = 0; r < rows; ++r) sb[r] = group_scale(b, sf_rows[r], g);
         }
-        promote_strip(part, st.sa + group * kMr, sb, kMr, st.shape != StreamShape::narrow, acc);
+        promote_strip(part, st.sa + group * kMr, sb, st.shape != StreamShape::narrow, uniform_sb, acc);
         ++group;
       }
     }
