@@ -27,15 +27,7 @@ Tensor random_bf16(int64_t rows, int64_t cols, uint64_t seed, bool row_spread) {
 }
 
 Timing time_it(const std::function<void()>& fn, int repeats, int warmup) {
-  for (int i = 0; i < warmup; ++i) fn();
-  std::vector<double> us;
-  for (int i = 0; i < repeats; ++i) {
-    const auto t0 = std::chrono::steady_clock::now();
-    fn();
-    us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
-  }
-  std::sort(us.begin(), us.end());
-  return {us[us.size() / 2], us.front(), repeats};
+  return time_round_robin({fn}, repeats, warmup)[0];
 }
 
 std::vector<Timing> time_round_robin(const std::vector<std::function<void()>>& fns, int repeats, int warmup) {

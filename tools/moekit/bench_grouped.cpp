@@ -4,7 +4,8 @@
 // {(32, 20), (6, 20), (32, 192)} on (4096, 7168) FP8 weights; k-grouped (4, 4096, 7168, 512).
 // Peer: a loop of per-group oneDNN sgemm calls on f32 copies (dequantisation of each active
 // group timed for FP8); the contiguous rows also give the dense GEMM of the same total M
-// (note dense_us, timed in the same rotation) for throughput parity. Masked rows report weight GB/s of the active groups.
+// (note dense_us, timed in the same rotation) for throughput parity. Masked rows report
+// weight GB/s of the active groups.
 #include <fmt/format.h>
 #include <oneapi/dnnl/dnnl.h>
 
@@ -148,8 +149,8 @@ void bench_grouped(const BenchOptions& o) {
       // ratio of the two, and this host's load moves between blocks of runs), and each of
       // the two runs after the peer, whose f32 copies push the operands out of the cache: a
       // dense call right after the grouped one found A, D and group 0's weights in the L3
-      // (480 MiB on the AMX Xeon), which had read 4 x 1024 x 7168 x 2048 at 0.72-0.76x
-      // where alternating with the cache state equal gives 0.92-0.98x.
+      // (480 MiB on the AMX Xeon): 4 x 1024 x 7168 x 2048 had read 0.72-0.76x, and reads
+      // 0.89-0.96x in this rotation.
       const auto dense_call = [&] { fp8_gemm_nt(qa_dense, qb0, dense_d); };
       const std::vector<Timing> t = time_round_robin({run, peer, dense_call, peer}, repeats);
       row.time = t[0], row.peer_time = t[1];

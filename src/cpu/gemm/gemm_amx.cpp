@@ -1305,16 +1305,16 @@ struct StripCursor {
   bool ready = false;
 };
 
-// Weight rows [j0, j0 + rows) against every row of A, all of K: acc[n * 32 + m].
+// The source's weight rows against every row of A, all of K: acc[n * 32 + m].
 // Software-pipelined: chunk c + 1 is decoded before (or, where it can be decoded by rows, a
 // few rows before each step of) the products of chunk c, so the tile loads read words stored
 // well before them (tile loads wait for earlier stores to reach the cache) and the products
 // overlap the next decode. The last chunk's steps likewise decode the first chunk of the
 // next strip (`next`, null if none), so that short K (one or two chunks a strip) overlaps as
 // long K does; `cursor` carries that chunk from strip to strip.
-void stream_strip(const Stream& st, const StripSource& source, int rows, const StripSource* next, StripCursor& cursor,
-                  float* acc) {
+void stream_strip(const Stream& st, const StripSource& source, const StripSource* next, StripCursor& cursor, float* acc) {
   const GemmOperand& b = st.b;
+  const int rows = source.rows();
   const int64_t k = b.k, steps = step_count(k);
   alignas(64) static thread_local uint32_t buffers[2][kMr * kChunkWords];
   alignas(64) float part[kMr * kNr], sb[kMr];
@@ -1446,7 +1446,7 @@ void stream_small_m_tiles(const GemmOperand& a, const GemmOperand& b, int64_t n0
     const int rows = strip_rows(j0);
     StripSource* next = nullptr;
     if (j0 + kMr < n1) next = &sources[i ^ 1].emplace(b, j0 + kMr, strip_rows(j0 + kMr));
-    stream_strip(st, *sources[i], rows, next, cursor, acc);
+    stream_strip(st, *sources[i], next, cursor, acc);
     for (int64_t m = 0; m < a.mn; ++m)
       for (int n = 0; n < rows; ++n) out[m * ld_out + (j0 - n0) + n] = acc[n * kNr + m];
   }
