@@ -1205,8 +1205,11 @@ class StripSource {
     alignas(64) int16_t values[kMr * kGroups];
   };
 
-  StripSource(const GemmOperand& b, int64_t j0, int rows)
-      : b_(b), j0_(j0), rows_(rows), full_(rows == kMr), row_bytes_(b.ld * static_cast<int64_t>(element_size(b.dtype))),
+  // next_rows: how many rows the strip after this one has (0: none), whose first chunk
+  // this strip's last chunk requests.
+  StripSource(const GemmOperand& b, int64_t j0, int rows, int next_rows)
+      : b_(b), j0_(j0), rows_(rows), next_rows_(next_rows), full_(rows == kMr),
+        row_bytes_(b.ld * static_cast<int64_t>(element_size(b.dtype))),
         first_row_(row_ptr(b, j0)),
         raw_e4m3_(b.dtype == DType::e4m3 && (!b.sf || b.promote) && cpu_features().avx512vbmi),
         folded_e4m3_(b.dtype == DType::e4m3 && b.sf && !b.promote && b.gran_k % 32 == 0 && cpu_features().avx512vbmi),
@@ -1249,17 +1252,17 @@ class StripSource {
     return false;
   }
   // Rows [r0, r1) of chunk k0, as chunk() lays them out (rowwise(k0, shifts) must hold).
-  // Requests the same rows of the chunk after into L2 meanwhile: a strip reads 32 rows a
-  // few lines at a time, streams the hardware prefetcher follows poorly (FP4, 16 x
-  // 7168 x 16384 on one thread: the first load of each row was 60 % of the decoder's time).
+  // Requests the same rows of the chunk after into L2 meanwhile, or, decoding the last
+  // chunk, the same rows of the next strip's first chunk: a strip reads 32 rows a few lines
+  // at a time, streams the hardware prefetcher follows poorly (FP4, 16 x 7168 x 16384 on
+  // one thread: the first load of each row was 60 % of the decoder's time; the next strip's
+  // first chunk, unrequested, had been read on demand: docs/GEMM.md, session 21).
   void decode_rows(int64_t k0, int r0, int r1, const Shifts& shifts, uint32_t* words) const {
-    if (b_.k - k0 >= 2 * kChunk) {
-      const int per_byte = b_.dtype == DType::e2m1x2 ? 2 : 1;  // (e4m3: one value per byte)
-      const uint8_t* next = first_row_ + (k0 + kChunk) / per_byte;
-      for (int r = r0; r < r1; ++r)
-        for (int64_t c = 0; c < kChunk / per_byte; c += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(next + r * row_bytes_ + c), _MM_HINT_T1);
-    }
+    const int per_byte = b_.dtype == DType::e2m1x2 ? 2 : 1;  // (e4m3: one value per byte)
+    const int64_t after = b_.k - k0 - kChunk;                 // values of the rows after this chunk
+    if (after > 0) request_rows(first_row_ + (k0 + kChunk) / per_byte, r0, r1, (std::min(kChunk, after) + 1) / per_byte);
+    if (after < kChunk)
+      request_rows(first_row_ + kMr * row_bytes_, r0, std::min(r1, next_rows_), (std::min(kChunk, b_.k) + 1) / per_byte);
     uint32_t* out = words + r0 * kChunkWords;
     if (folded_e2m1_) return e2m1_rows_to_bf16(b_, j0_ + r0, r1 - r0, k0, shifts.values + r0 * kGroups, out);
     // Weights whose blocks mostly hold a zero, subnormal or NaN code (uniformly random codes,
@@ -1281,9 +1284,16 @@ class StripSource {
   }
 
  private:
+  // Lines [0, bytes) of rows [r0, r1) from `first`, into L2.
+  void request_rows(const uint8_t* first, int r0, int r1, int64_t bytes) const {
+    for (int r = r0; r < r1; ++r)
+      for (int64_t c = 0; c < bytes; c += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(first + r * row_bytes_ + c), _MM_HINT_T1);
+  }
+
   const GemmOperand& b_;
   int64_t j0_;
-  int rows_;
+  int rows_, next_rows_;
   bool full_;
   int64_t row_bytes_;
   const uint8_t* first_row_;
@@ -1439,13 +1449,13 @@ void stream_small_m_tiles(const GemmOperand& a, const GemmOperand& b, int64_t n0
   const Stream st{a, b, act, sa, shape, promoted, group, narrow_tiles};
   alignas(64) float acc[kMr * kNr];
   std::optional<StripSource> sources[2];  // this strip's and the next one's
-  auto strip_rows = [&](int64_t j0) { return static_cast<int>(std::min<int64_t>(kMr, n1 - j0)); };
-  if (n0 < n1) sources[0].emplace(b, n0, strip_rows(n0));
+  auto strip_rows = [&](int64_t j0) { return static_cast<int>(std::clamp<int64_t>(n1 - j0, 0, kMr)); };
+  if (n0 < n1) sources[0].emplace(b, n0, strip_rows(n0), strip_rows(n0 + kMr));
   StripCursor cursor;
   for (int64_t j0 = n0, i = 0; j0 < n1; j0 += kMr, i ^= 1) {
     const int rows = strip_rows(j0);
     StripSource* next = nullptr;
-    if (j0 + kMr < n1) next = &sources[i ^ 1].emplace(b, j0 + kMr, strip_rows(j0 + kMr));
+    if (j0 + kMr < n1) next = &sources[i ^ 1].emplace(b, j0 + kMr, strip_rows(j0 + kMr), strip_rows(j0 + 2 * kMr));
     stream_strip(st, *sources[i], next, cursor, acc);
     for (int64_t m = 0; m < a.mn; ++m)
       for (int n = 0; n < rows; ++n) out[m * ld_out + (j0 - n0) + n] = acc[n * kNr + m];
