@@ -1215,8 +1215,7 @@ class StripSource {
         folded_e4m3_(b.dtype == DType::e4m3 && b.sf && !b.promote && b.gran_k % 32 == 0 && cpu_features().avx512vbmi),
         folded_e2m1_(b.dtype == DType::e2m1x2 && b.sf && !b.promote && b.gran_k % 32 == 0),
         affine_(cpu_features().gfni) {
-    if (folded_e4m3_ || folded_e2m1_)
-      for (int r = 0; r < rows; ++r) sf_rows_[r] = scale_row(b, j0 + r);
+    if (folded_e4m3_ || folded_e2m1_) scale_rows(b, j0, rows, sf_rows_);
   }
 
   int64_t first_row() const { return j0_; }
@@ -1315,6 +1314,21 @@ struct StripCursor {
   bool ready = false;
 };
 
+// out[m * ld_out + n] = acc[n * 32 + m] for m < cols, n < rows: a strip's sums as rows of
+// D, 16 x 16 blocks at a time (a scalar loop had been half of a short-K decode call's
+// bookkeeping: 16 x 32768 x 512 FP8, docs/GEMM.md, session 21). Only columns below `cols`
+// of acc are read where cols <= 16.
+void write_transposed(const float* acc, int cols, int rows, float* out, int64_t ld_out) {
+  alignas(64) uint32_t block[16 * 16];
+  for (int m0 = 0; m0 < cols; m0 += 16)
+    for (int n0 = 0; n0 < rows; n0 += 16) {
+      transpose16(reinterpret_cast<const uint8_t*>(acc + n0 * kNr + m0), kNr * 4, block);
+      const auto live = static_cast<__mmask16>((1u << std::min(16, rows - n0)) - 1);
+      for (int m = m0; m < std::min(cols, m0 + 16); ++m)
+        _mm512_mask_storeu_ps(out + m * ld_out + n0, live, _mm512_load_ps(reinterpret_cast<const float*>(block + (m - m0) * 16)));
+    }
+}
+
 // The source's weight rows against every row of A, all of K: acc[n * 32 + m].
 // Software-pipelined: chunk c + 1 is decoded before (or, where it can be decoded by rows, a
 // few rows before each step of) the products of chunk c, so the tile loads read words stored
@@ -1330,8 +1344,7 @@ void stream_strip(const Stream& st, const StripSource& source, const StripSource
   alignas(64) float part[kMr * kNr], sb[kMr];
   StripSource::Shifts next_shifts;
   const void* sf_rows[kMr] = {};
-  if (b.promote)
-    for (int r = 0; r < rows; ++r) sf_rows[r] = scale_row(b, source.first_row() + r);
+  if (b.promote) scale_rows(b, source.first_row(), rows, sf_rows);
   // Rows of one row of scales (128 x 128 FP8 weights: every strip) take one lookup per group.
   const bool one_scale_row = b.promote && same_scale_row(sf_rows, rows);
   for (int r = 0; r < kMr; ++r) sb[r] = b.promote && r >= rows ? 0.0f : 1.0f;
@@ -1457,8 +1470,7 @@ void stream_small_m_tiles(const GemmOperand& a, const GemmOperand& b, int64_t n0
     StripSource* next = nullptr;
     if (j0 + kMr < n1) next = &sources[i ^ 1].emplace(b, j0 + kMr, strip_rows(j0 + kMr), strip_rows(j0 + 2 * kMr));
     stream_strip(st, *sources[i], next, cursor, acc);
-    for (int64_t m = 0; m < a.mn; ++m)
-      for (int n = 0; n < rows; ++n) out[m * ld_out + (j0 - n0) + n] = acc[n * kNr + m];
+    write_transposed(acc, static_cast<int>(a.mn), rows, out + (j0 - n0), ld_out);
   }
 }
 
