@@ -1258,10 +1258,10 @@ class StripSource {
   // first chunk, unrequested, had been read on demand: docs/GEMM.md, session 21).
   void decode_rows(int64_t k0, int r0, int r1, const Shifts& shifts, uint32_t* words) const {
     const int per_byte = b_.dtype == DType::e2m1x2 ? 2 : 1;  // (e4m3: one value per byte)
-    const int64_t after = b_.k - k0 - kChunk;                 // values of the rows after this chunk
-    if (after > 0) request_rows(first_row_ + (k0 + kChunk) / per_byte, r0, r1, (std::min(kChunk, after) + 1) / per_byte);
-    if (after < kChunk)
-      request_rows(first_row_ + kMr * row_bytes_, r0, std::min(r1, next_rows_), (std::min(kChunk, b_.k) + 1) / per_byte);
+    const auto bytes = [&](int64_t values) { return (values + per_byte - 1) / per_byte; };
+    const int64_t after = b_.k - k0 - kChunk;  // values of the rows after this chunk
+    if (after > 0) request_rows(first_row_ + (k0 + kChunk) / per_byte, r0, r1, bytes(std::min(kChunk, after)));
+    if (after < kChunk) request_rows(first_row_ + kMr * row_bytes_, r0, std::min(r1, next_rows_), bytes(std::min(kChunk, b_.k)));
     uint32_t* out = words + r0 * kChunkWords;
     if (folded_e2m1_) return e2m1_rows_to_bf16(b_, j0_ + r0, r1 - r0, k0, shifts.values + r0 * kGroups, out);
     // Weights whose blocks mostly hold a zero, subnormal or NaN code (uniformly random codes,
