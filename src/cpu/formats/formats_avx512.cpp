@@ -477,30 +477,101 @@ inline __m128i e2m1_codes(__m512i v, const uint16_t* t) {  // t[b * kE2m1Chunk]:
 
 QuantizeKernel g_e2m1_bf16_general = nullptr;  // for rows the thresholds do not take, and tails
 
+// ---- e2m1 casts of bf16 with power-of-two scales, by a table of the quotient's pattern ----
+// With sf = 2^s, q = |x| / sf is |x|'s bf16 pattern minus s · 128 (exact while both are
+// normal), and every rounding boundary of e2m1 (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5) is the
+// first pattern of a run of 32 patterns (0x3e80, 0x3f40, ...: at most two significant
+// mantissa bits). So the code of q depends only on its run (q >> 5) and on whether it is
+// the run's first pattern (where the ties sit): a 64-word table indexed by the run, plus 32
+// past a first pattern, does what seven compares against per-group thresholds did. Patterns
+// are offset by the run below 0.25 (kE2m1FirstRun), so that runs below it are clamped to 0 and
+// runs go up to 6.0's (0x40c0 >> 5) at most: amax / sf <= 6 for the scales this is given.
+constexpr int kE2m1FirstRun = (0x3e80 >> 5) - 1;
+// Scales 2^s with s from -100 (a subnormal x then gives q below 2^-26: code 0, as the pattern
+// arithmetic also does) to 127. (The casts clamp amax at 1e-4, so their scales stay above
+// 2^-16; the bound is the kernel's own guard.)
+constexpr int kE2m1LowestShift = -100;
+
+struct E2m1RunTable {
+  __m512i first, rest;  // entries 0-31 (the run's first pattern), 32-63 (the others)
+  E2m1RunTable() {
+    alignas(64) uint16_t codes[64];
+    for (int run = 0; run < 32; ++run)
+      for (int past_first = 0; past_first < 2; ++past_first) {
+        const auto pattern = static_cast<uint32_t>(((kE2m1FirstRun + run) << 5) + past_first);
+        codes[past_first * 32 + run] = static_cast<uint16_t>(encode_scalar(Narrow::e2m1, std::bit_cast<float>(pattern << 16)) & 7);
+      }
+    first = _mm512_load_si512(codes);
+    rest = _mm512_load_si512(codes + 32);
+  }
+};
+
+// offset[g]: the pattern offset of group g's scale 2^s, s · 128 + kE2m1FirstRun · 32, in both
+// halves of the word; false if some scale is not 2^s with s in [kE2m1LowestShift, 127].
+// (16 groups at a time: a scalar loop here was as slow as the codes themselves.)
+bool e2m1_run_offsets(const float* sf, int64_t groups, int32_t* offset) {
+  const __m512i other_bits = _mm512_set1_epi32(static_cast<int>(0x807fffffu));
+  const __m512i lowest = _mm512_set1_epi32(kE2m1LowestShift + 127), highest = _mm512_set1_epi32(127 + 127);
+  for (int64_t g = 0; g < groups; g += 16) {
+    const auto live = static_cast<__mmask16>(groups - g >= 16 ? 0xffff : (1u << (groups - g)) - 1);
+    const __m512i bits = _mm512_maskz_loadu_epi32(live, sf + g);
+    const __m512i field = _mm512_srli_epi32(bits, 23);  // s + 127 (the sign bit is in other_bits)
+    const __mmask16 bad = _mm512_mask_test_epi32_mask(live, bits, other_bits) | _mm512_mask_cmplt_epi32_mask(live, field, lowest) |
+                          _mm512_mask_cmpgt_epi32_mask(live, field, highest);
+    if (bad) return false;
+    const __m512i o = _mm512_and_si512(_mm512_add_epi32(_mm512_slli_epi32(field, 7), _mm512_set1_epi32(kE2m1FirstRun * 32 - 127 * 128)),
+                                       _mm512_set1_epi32(0xffff));
+    _mm512_mask_storeu_epi32(offset + g, live, _mm512_or_si512(o, _mm512_slli_epi32(o, 16)));
+  }
+  return true;
+}
+
+// Nibbles of 32 lanes of bf16 v with the group's offset (e2m1_run_offsets), as e2m1_codes.
+inline __m128i e2m1_codes_by_run(const E2m1RunTable& table, __m512i v, __m512i offset) {
+  const __m512i q = _mm512_max_epi16(_mm512_subs_epi16(_mm512_and_si512(v, _mm512_set1_epi16(0x7fff)), offset),
+                                     _mm512_setzero_si512());
+  const __mmask32 past_first = _mm512_test_epi16_mask(q, _mm512_set1_epi16(31));
+  const __m512i run = _mm512_srli_epi16(q, 5);  // (at most 19: bit 5 is free)
+  const __m512i index = _mm512_mask_add_epi16(run, past_first, run, _mm512_set1_epi16(32));
+  __m512i code = _mm512_permutex2var_epi16(table.first, index, table.rest);
+  code = _mm512_ternarylogic_epi32(code, _mm512_srli_epi16(v, 12), _mm512_set1_epi16(0x8), 0xf8);  // | sign
+  return _mm512_cvtepi32_epi8(_mm512_or_si512(code, _mm512_srli_epi32(code, 12)));
+}
+
 void quantize_e2m1_bf16(const void* xv, uint8_t* q, int64_t n, const float* sf, int64_t gran, bool stream,
                         const void* prefetch, bool scales_from_amax, Reciprocals inv) {
   const int64_t groups = ceil_div(n, gran);
   bool take = scales_from_amax && gran % 32 == 0 && n >= 64;
-  for (int64_t g = 0; take && g < groups; ++g) {  // positive normal scales: the bound holds
-    uint32_t bits;
-    std::memcpy(&bits, &sf[g], 4);
-    take = bits - 0x00800000u < 0x7f000000u;
+  // Positive normal scales (the bound holds), 16 at a time.
+  for (int64_t g = 0; take && g < groups; g += 16) {
+    const auto live = static_cast<__mmask16>(groups - g >= 16 ? 0xffff : (1u << (groups - g)) - 1);
+    const __m512i biased = _mm512_sub_epi32(_mm512_maskz_loadu_epi32(live, sf + g), _mm512_set1_epi32(0x00800000));
+    take = _mm512_mask_cmpge_epu32_mask(live, biased, _mm512_set1_epi32(0x7f000000)) == 0;
   }
   if (!take) return g_e2m1_bf16_general(xv, q, n, sf, gran, stream, prefetch, scales_from_amax, inv);
   const auto* x = static_cast<const uint16_t*>(xv);
   const auto* next = static_cast<const uint16_t*>(prefetch);
+  const auto store = [&](int64_t i, __m128i codes) {
+    if (stream && (reinterpret_cast<uintptr_t>(q + i / 2) & 15) == 0) _mm_stream_si128(reinterpret_cast<__m128i*>(q + i / 2), codes);
+    else _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i / 2), codes);
+  };
   alignas(64) uint16_t thresholds[7 * kE2m1Chunk + 8];  // (+8: the last 8-group store of a bound)
+  alignas(64) int32_t offsets[kE2m1Chunk];
+  static const E2m1RunTable run_table;
+  const E2m1RunTable table = run_table;  // (a local copy: the compiler keeps it in registers)
   int64_t i = 0;
   for (int64_t g0 = 0; g0 < groups; g0 += kE2m1Chunk) {
     const int64_t chunk = min64(kE2m1Chunk, groups - g0);
-    e2m1_thresholds(sf + g0, chunk, thresholds);
+    // Power-of-two scales (the ue8m0 recipes) by the run table, others by thresholds.
+    const bool by_run = e2m1_run_offsets(sf + g0, chunk, offsets);
+    if (!by_run) e2m1_thresholds(sf + g0, chunk, thresholds);
     for (int64_t g = g0; g < g0 + chunk; ++g) {
       const uint16_t* t = thresholds + (g - g0);
+      const __m512i offset = _mm512_set1_epi32(offsets[g - g0]);
       for (const int64_t end = min64(n, (g + 1) * gran); i + 32 <= end; i += 32) {
         if (next) __builtin_prefetch(next + i, 0, 2);
-        const __m128i codes = e2m1_codes(_mm512_loadu_si512(x + i), t);
-        if (stream && (reinterpret_cast<uintptr_t>(q + i / 2) & 15) == 0) _mm_stream_si128(reinterpret_cast<__m128i*>(q + i / 2), codes);
-        else _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i / 2), codes);
+        const __m512i v = _mm512_loadu_si512(x + i);
+        store(i, by_run ? e2m1_codes_by_run(table, v, offset) : e2m1_codes(v, t));
       }
     }
   }
