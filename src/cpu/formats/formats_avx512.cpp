@@ -531,7 +531,7 @@ inline __m128i e2m1_codes_by_run(const E2m1RunTable& table, __m512i v, __m512i o
   const __m512i q = _mm512_max_epi16(_mm512_subs_epi16(_mm512_and_si512(v, _mm512_set1_epi16(0x7fff)), offset),
                                      _mm512_setzero_si512());
   const __mmask32 past_first = _mm512_test_epi16_mask(q, _mm512_set1_epi16(31));
-  const __m512i run = _mm512_srli_epi16(q, 5);  // (at most 19: bit 5 is free)
+  const __m512i run = _mm512_srli_epi16(q, 5);  // (at most 19, as q <= 6: bit 5 is free)
   const __m512i index = _mm512_mask_add_epi16(run, past_first, run, _mm512_set1_epi16(32));
   __m512i code = _mm512_permutex2var_epi16(table.first, index, table.rest);
   code = _mm512_ternarylogic_epi32(code, _mm512_srli_epi16(v, 12), _mm512_set1_epi16(0x8), 0xf8);  // | sign
@@ -576,7 +576,7 @@ void quantize_e2m1_bf16(const void* xv, uint8_t* q, int64_t n, const float* sf, 
     }
     for (int64_t g = g0; g < g0 + chunk; ++g) {
       const uint16_t* t = thresholds + (g - g0);
-      const __m512i offset = _mm512_set1_epi32(offsets[g - g0]);
+      const __m512i offset = by_run ? _mm512_set1_epi32(offsets[g - g0]) : _mm512_setzero_si512();
       for (const int64_t end = min64(n, (g + 1) * gran); i + 32 <= end; i += 32) {
         if (next) __builtin_prefetch(next + i, 0, 2);
         const __m512i v = _mm512_loadu_si512(x + i);
