@@ -506,6 +506,11 @@ struct E2m1RunTable {
   }
 };
 
+// The first min(count, 16) lanes of 16 (count > 0).
+inline __mmask16 first_lanes16(int64_t count) {
+  return count >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << count) - 1);
+}
+
 // offset[g]: the pattern offset of group g's scale 2^s, s · 128 + kE2m1FirstRun · 32, in both
 // halves of the word; false if some scale is not 2^s with s in [kE2m1LowestShift, 127].
 // (16 groups at a time: a scalar loop here was as slow as the codes themselves.)
@@ -513,7 +518,7 @@ bool e2m1_run_offsets(const float* sf, int64_t groups, int32_t* offset) {
   const __m512i other_bits = _mm512_set1_epi32(static_cast<int>(0x807fffffu));
   const __m512i lowest = _mm512_set1_epi32(kE2m1LowestShift + 127), highest = _mm512_set1_epi32(127 + 127);
   for (int64_t g = 0; g < groups; g += 16) {
-    const auto live = static_cast<__mmask16>(groups - g >= 16 ? 0xffff : (1u << (groups - g)) - 1);
+    const __mmask16 live = first_lanes16(groups - g);
     const __m512i bits = _mm512_maskz_loadu_epi32(live, sf + g);
     const __m512i field = _mm512_srli_epi32(bits, 23);  // s + 127 (the sign bit is in other_bits)
     const __mmask16 bad = _mm512_mask_test_epi32_mask(live, bits, other_bits) | _mm512_mask_cmplt_epi32_mask(live, field, lowest) |
@@ -544,7 +549,7 @@ void quantize_e2m1_bf16(const void* xv, uint8_t* q, int64_t n, const float* sf, 
   bool take = scales_from_amax && gran % 32 == 0 && n >= 64;
   // Positive normal scales (the bound holds), 16 at a time.
   for (int64_t g = 0; take && g < groups; g += 16) {
-    const auto live = static_cast<__mmask16>(groups - g >= 16 ? 0xffff : (1u << (groups - g)) - 1);
+    const __mmask16 live = first_lanes16(groups - g);
     const __m512i biased = _mm512_sub_epi32(_mm512_maskz_loadu_epi32(live, sf + g), _mm512_set1_epi32(0x00800000));
     take = _mm512_mask_cmpge_epu32_mask(live, biased, _mm512_set1_epi32(0x7f000000)) == 0;
   }
