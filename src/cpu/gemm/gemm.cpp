@@ -83,7 +83,7 @@ struct Prepacked {
 // data[(j / width) * panel_stride + i * width + j % width]. width = the block's columns
 // gives plain row-major storage.
 struct AccBlock {
-  float* data;
+  const float* data;
   int64_t width, panel_stride;
 };
 
@@ -386,6 +386,29 @@ void run_small_m(const detail::GemmKernels& kern, const GemmOperand& a, const Ge
   }
 }
 
+// Medium M on targets with a medium-M kernel: like small M, B split by columns, each
+// thread's finished columns written as they come (C added, rounded).
+void run_medium_m(const detail::GemmKernels& kern, const GemmOperand& a, const GemmOperand& b, const Output& out,
+                  int threads) {
+  const int64_t m = a.mn, n = b.mn;
+  const int64_t chunk = ceil_div(ceil_div(n, threads), kern.small_m_align) * kern.small_m_align;
+  struct Sink {
+    const Output* out;
+    int64_t m;
+    static void write(void* ctx, const float* res, int64_t ld_res, int64_t j0, int64_t cols) {
+      const auto* s = static_cast<const Sink*>(ctx);
+      write_block(*s->out, {res, ld_res, 0}, 0, s->m, j0, cols);
+    }
+  };
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t t = omp_get_thread_num();
+    const int64_t n0 = std::min(n, t * chunk), n1 = std::min(n, n0 + chunk);
+    Sink sink{&out, m};
+    if (n0 < n1) kern.medium_m(a, b, n0, n1, &Sink::write, &sink);
+  }
+}
+
 // pre: B's pre-packed panels (then b only gives its extents), made by the kernels of `isa`
 // for the call `fn`; A must be an operand those kernels take.
 void run_gemm(const char* fn, GemmOperand a, GemmOperand b, const Output& out, const Prepacked& pre = {},
@@ -410,6 +433,10 @@ void run_gemm(const char* fn, GemmOperand a, GemmOperand b, const Output& out, c
   // Threads: enough work per thread to pay for the fork.
   const double flops = 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(std::max<int64_t>(k, 1));
   const int threads = flops < 4e6 ? 1 : std::max(1, num_threads());
+  if (!pre.data && kern.medium_m && m <= kern.medium_m_rows && b.k_major && k > 0) {
+    run_medium_m(kern, a, b, out, threads);
+    return;
+  }
   // Split rows or columns, whichever repacks less: splitting rows packs all of B once per
   // thread; splitting columns repacks A once per column block of each thread.
   const int64_t tiles_m = ceil_div(m, kern.mr), tiles_n = ceil_div(n, kern.nr);

@@ -49,6 +49,7 @@ constexpr int kTileBytes = bf16_panels::kBlockBytes;  // an AMX tile: 16 rows x 
 // x 7168: 1.42 TF/s at 256, 1.77 at 1024, 1.94 at 2048 (mc 96); mc 192: 2.17.
 constexpr int64_t kKc = bf16_panels::kMaxKc;
 constexpr int64_t kMc = 192;
+constexpr int64_t kMediumM = kMc;  // rows of A that take medium_m (a row block of the blocked path)
 constexpr int64_t kMaxWords = kKc / 2;
 // Small M: K decoded per strip of 32 weight rows at a time (32 x 512 bytes of bf16).
 constexpr int64_t kChunk = 256;
@@ -991,10 +992,29 @@ inline void load_step(const uint8_t* as, const uint8_t* bs) {
   }
 }
 
+// What the driver packs next, requested a share per step of the blocked tiles that run
+// meanwhile (GemmKernels::request_during_tiles), so that the packing reads L2 instead of
+// waiting on memory between the tiles.
+thread_local std::optional<NextPanelRequests> t_tile_requests;
+
+// Byte offset of element k along a K-major row of op (e2m1x2: two per byte, rounded up).
+int64_t k_bytes(const GemmOperand& op, int64_t k) {
+  return op.dtype == DType::e2m1x2 ? (k + 1) / 2 : k * static_cast<int64_t>(element_size(op.dtype));
+}
+
+void request_during_tiles(const GemmOperand& op, int64_t mn0, int count, int64_t k0, int64_t kc, int64_t tiles,
+                          int64_t tile_kc) {
+  if (count <= 0 || kc <= 0) return t_tile_requests.reset();
+  const int64_t first = k_bytes(op, k0);
+  t_tile_requests.emplace(op, mn0, count, first, k_bytes(op, k0 + kc) - first, tiles * step_count(tile_kc));
+}
+
 // C tiles += steps [s0, s1) of the panels.
 template <Hint kHint>
 inline void run_steps(const uint8_t* a, const uint8_t* b, int64_t s0, int64_t s1) {
+  NextPanelRequests* requests = t_tile_requests ? &*t_tile_requests : nullptr;
   for (int64_t s = s0; s < s1; ++s) {
+    if (requests) requests->step();
     load_step<kHint>(a + s * 2 * kTileBytes, b + s * 2 * kTileBytes);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
@@ -1474,6 +1494,81 @@ void stream_small_m_tiles(const GemmOperand& a, const GemmOperand& b, int64_t n0
   }
 }
 
+// ---------------------------------------------------------------- medium M: weights as tile rows
+// kStreamM + 1 to kMediumM rows of A against K-major B (the weights). The blocked path packs
+// B into pair-major panels, a 16 x 16 transpose per KiB: at 128 x 7168 x 2048 bf16 that
+// packing took about 1 of 2.7 ms and did not overlap the products, even when spread through
+// the tile steps (its shuffles and stores compete with the tile loads; docs/GEMM.md). Here
+// the roles swap, as on the streaming path: weight rows are the tiles' row operand, which
+// packing copies as 64-byte rows (or decodes FP8/FP4 to), and A, packed once per call as B
+// panels, the other. Each micro-panel of 32 weight rows is packed over all of K, its source
+// rows having been requested during the previous micro-panel's tiles, then swept against
+// every panel of A. tdpbf16ps is symmetric in its operands and the promotion's scale
+// product commutes, so every element is the blocked path's chain, K block for K block:
+// the same bits (tested against pre-packed weights, which take the blocked path).
+// A 32 x 32 tile of medium_m whose row operand is 32 plain bf16 weight rows where they are
+// (`w`, rows `stride` bytes apart, whole steps), against a B panel: full_tile's steps, with
+// the weights' tiles loaded from their rows instead of from a copy (the copy had been a
+// third as long as the products at 128 x 32768 x 512).
+void rows_tile(int64_t kc, const uint8_t* w, int64_t stride, const float* b, float* c, bool accumulate) {
+  if (accumulate) load_c(c, kNr * 4);
+  else zero_c();
+  NextPanelRequests* requests = t_tile_requests ? &*t_tile_requests : nullptr;
+  const uint8_t* bs = panel_steps(b);
+  for (int64_t s = 0; s < step_count(kc); ++s) {
+    if (requests) requests->step();
+    _tile_loadd(4, w + s * 64, stride);
+    _tile_stream_loadd(6, bs + s * 2 * kTileBytes, 64);
+    _tile_loadd(5, w + 16 * stride + s * 64, stride);
+    _tile_stream_loadd(7, bs + s * 2 * kTileBytes + kTileBytes, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  store_c(c, kNr * 4);
+}
+
+void medium_m(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t n1, GemmKernels::ColumnSink sink, void* ctx) {
+  const int64_t k = a.k, blocks = (k + kKc - 1) / kKc, act_panels = (a.mn + kMr - 1) / kMr;
+  const int64_t act_block = act_panels * panel_floats(kKc, kMr), w_block = panel_floats(kKc, kMr);
+  static thread_local Scratch act_buffer, weight_buffer, acc_buffer, res_buffer;
+  float* act = act_buffer.get(static_cast<size_t>(blocks * act_block));
+  float* weights = weight_buffer.get(static_cast<size_t>(blocks * w_block));
+  float* acc = acc_buffer.get(static_cast<size_t>(act_panels * kMr * kNr));
+  for (int64_t pc = 0; pc < k; pc += kKc) pack_panels<true>(a, 0, a.mn, pc, std::min(kKc, k - pc), act + (pc / kKc) * act_block);
+  // Finished columns go out kSinkCols at a time (row-major, A's rows by these columns).
+  constexpr int64_t kSinkCols = 8 * kMr;
+  float* res = res_buffer.get(static_cast<size_t>(a.mn * kSinkCols));
+  begin_tiles(true);  // (each weight panel is reused, A's panels stream)
+  for (int64_t j0 = n0, sink_j0 = n0; j0 < n1; j0 += kMr) {
+    const int rows = static_cast<int>(std::min<int64_t>(kMr, n1 - j0));
+    // (Whole steps of 32 plain bf16 rows are loaded where they are.)
+    const bool in_place = plain_bf16(b) && rows == kMr && k % kStep == 0;
+    for (int64_t pc = 0; pc < (in_place ? 0 : k); pc += kKc)
+      pack_panels<false>(b, j0, rows, pc, std::min(kKc, k - pc), weights + (pc / kKc) * w_block);
+    const int64_t next = j0 + kMr;
+    request_during_tiles(b, next, static_cast<int>(std::clamp<int64_t>(n1 - next, 0, kMr)), 0, k, act_panels, k);
+    for (int64_t pc = 0; pc < k; pc += kKc) {
+      const int64_t kc = std::min(kKc, k - pc);
+      for (int64_t q = 0; q < act_panels; ++q) {
+        const float* act_panel = act + (pc / kKc) * act_block + q * panel_floats(kc, kMr);
+        // (acc holds whole 32 x 32 tiles; rows and columns past the operands sum zeros)
+        if (in_place) rows_tile(kc, row_ptr(b, j0) + pc * 2, b.ld * 2, act_panel, acc + q * kMr * kNr, pc > 0);
+        else full_tile(kc, weights + (pc / kKc) * w_block, act_panel, acc + q * kMr * kNr, kNr, pc > 0);
+      }
+    }
+    request_during_tiles(b, 0, 0, 0, 0, 0, 0);
+    for (int64_t q = 0; q < act_panels; ++q)
+      write_transposed(acc + q * kMr * kNr, static_cast<int>(std::min<int64_t>(kMr, a.mn - q * kMr)), rows,
+                       res + q * kMr * kSinkCols + (j0 - sink_j0), kSinkCols);
+    if (j0 + kMr >= n1 || j0 + kMr - sink_j0 == kSinkCols) {
+      sink(ctx, res, kSinkCols, sink_j0, std::min(n1, j0 + kMr) - sink_j0);
+      sink_j0 = j0 + kMr;
+    }
+  }
+}
+
 // ---------------------------------------------------------------- what the target takes
 
 // A scale whose products with the decoded values stay exact f32 normals, or that makes
@@ -1597,6 +1692,9 @@ const GemmKernels& gemm_kernels_amx() {
     t.tile = &tile;
     // ldtilecfg per tile had been 10-18 % of a k-grouped call (K = 512: a tile is 16 steps).
     t.begin_tiles = &begin_tiles;
+    t.request_during_tiles = &request_during_tiles;
+    t.medium_m = &medium_m;
+    t.medium_m_rows = kMediumM;
     t.prepare = &prepare;
     t.small_m = &stream_small_m;
     t.small_m_rows = kStreamM;
