@@ -433,7 +433,7 @@ void run_gemm(const char* fn, GemmOperand a, GemmOperand b, const Output& out, c
   // Threads: enough work per thread to pay for the fork.
   const double flops = 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(std::max<int64_t>(k, 1));
   const int threads = flops < 4e6 ? 1 : std::max(1, num_threads());
-  if (!pre.data && kern.medium_m && m <= kern.medium_m_rows && b.k_major && k > 0) {
+  if (!pre.data && kern.medium_m && kern.medium_m_takes(a, b) && k > 0) {
     run_medium_m(kern, a, b, out, threads);
     return;
   }

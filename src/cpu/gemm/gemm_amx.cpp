@@ -1506,20 +1506,31 @@ void stream_small_m_tiles(const GemmOperand& a, const GemmOperand& b, int64_t n0
 // every panel of A. tdpbf16ps is symmetric in its operands and the promotion's scale
 // product commutes, so every element is the blocked path's chain, K block for K block:
 // the same bits (tested against pre-packed weights, which take the blocked path).
-// A 32 x 32 tile of medium_m whose row operand is 32 plain bf16 weight rows where they are
-// (`w`, rows `stride` bytes apart, whole steps), against a B panel: full_tile's steps, with
-// the weights' tiles loaded from their rows instead of from a copy (the copy had been a
-// third as long as the products at 128 x 32768 x 512).
-void rows_tile(int64_t kc, const uint8_t* w, int64_t stride, const float* b, float* c, bool accumulate) {
+// The row operand of a medium_m tile, 256 K at a time, as StripSource::chunk gives it:
+// plain bf16 rows where they are, or rows decoded into a buffer (FP8, and folded FP8 or FP4
+// scales, by the streaming path's row decoders).
+struct RowChunks {
+  static_assert(kChunk == 8 * kStep);
+  const uint8_t* at[kKc / kChunk];
+  int64_t stride[kKc / kChunk];
+};
+
+// A 32 x 32 tile of medium_m against a B panel: full_tile's steps, with the weights' tiles
+// loaded from their rows (in place, or decoded a chunk at a time) rather than from a packed
+// copy (copying plain bf16 rows into panels had taken a third as long as the products at
+// 128 x 32768 x 512).
+void rows_tile(int64_t kc, const RowChunks& w, const float* b, float* c, bool accumulate) {
   if (accumulate) load_c(c, kNr * 4);
   else zero_c();
   NextPanelRequests* requests = t_tile_requests ? &*t_tile_requests : nullptr;
   const uint8_t* bs = panel_steps(b);
   for (int64_t s = 0; s < step_count(kc); ++s) {
     if (requests) requests->step();
-    _tile_loadd(4, w + s * 64, stride);
+    const uint8_t* ws = w.at[s >> 3] + (s & 7) * 64;
+    const int64_t stride = w.stride[s >> 3];
+    _tile_loadd(4, ws, stride);
     _tile_stream_loadd(6, bs + s * 2 * kTileBytes, 64);
-    _tile_loadd(5, w + 16 * stride + s * 64, stride);
+    _tile_loadd(5, ws + 16 * stride, stride);
     _tile_stream_loadd(7, bs + s * 2 * kTileBytes + kTileBytes, 64);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
@@ -1529,43 +1540,66 @@ void rows_tile(int64_t kc, const uint8_t* w, int64_t stride, const float* b, flo
   store_c(c, kNr * 4);
 }
 
+// Up to kMediumM rows of A against K-major weights.
+bool medium_m_takes(const GemmOperand& a, const GemmOperand& b) { return a.mn <= kMediumM && b.k_major; }
+
 void medium_m(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t n1, GemmKernels::ColumnSink sink, void* ctx) {
-  const int64_t k = a.k, blocks = (k + kKc - 1) / kKc, act_panels = (a.mn + kMr - 1) / kMr;
-  const int64_t act_block = act_panels * panel_floats(kKc, kMr), w_block = panel_floats(kKc, kMr);
+  // Weight rows go in blocks of kBlockRows, K block by K block, so that A's panels of one K
+  // block (128 rows: 512 KiB) and the block's sums stay in L2 while every micro-panel of the
+  // block passes; the finished block goes to the sink. (A micro-panel over all of K against
+  // all of A's panels read those from L3 once K outgrew L2: 128 x 7168 x 16384 bf16 took
+  // 40 instead of 28 ms.)
+  constexpr int64_t kBlockRows = 8 * kMr;
+  const int64_t k = a.k, act_panels = (a.mn + kMr - 1) / kMr;
+  const int64_t act_block = act_panels * panel_floats(kKc, kMr);
   static thread_local Scratch act_buffer, weight_buffer, acc_buffer, res_buffer;
-  float* act = act_buffer.get(static_cast<size_t>(blocks * act_block));
-  float* weights = weight_buffer.get(static_cast<size_t>(blocks * w_block));
-  float* acc = acc_buffer.get(static_cast<size_t>(act_panels * kMr * kNr));
+  float* act = act_buffer.get(static_cast<size_t>((k + kKc - 1) / kKc * act_block));
+  // (a promoted micro-panel's pack, or a K block of decoded chunks)
+  float* weights = weight_buffer.get(static_cast<size_t>(std::max(panel_floats(kKc, kMr), kKc / kChunk * kMr * kChunkWords)));
+  float* acc = acc_buffer.get(static_cast<size_t>(kBlockRows / kMr * act_panels * kMr * kNr));
+  float* res = res_buffer.get(static_cast<size_t>(a.mn * kBlockRows));  // A's rows by the block's columns
   for (int64_t pc = 0; pc < k; pc += kKc) pack_panels<true>(a, 0, a.mn, pc, std::min(kKc, k - pc), act + (pc / kKc) * act_block);
-  // Finished columns go out kSinkCols at a time (row-major, A's rows by these columns).
-  constexpr int64_t kSinkCols = 8 * kMr;
-  float* res = res_buffer.get(static_cast<size_t>(a.mn * kSinkCols));
   begin_tiles(true);  // (each weight panel is reused, A's panels stream)
-  for (int64_t j0 = n0, sink_j0 = n0; j0 < n1; j0 += kMr) {
-    const int rows = static_cast<int>(std::min<int64_t>(kMr, n1 - j0));
-    // (Whole steps of 32 plain bf16 rows are loaded where they are.)
-    const bool in_place = plain_bf16(b) && rows == kMr && k % kStep == 0;
-    for (int64_t pc = 0; pc < (in_place ? 0 : k); pc += kKc)
-      pack_panels<false>(b, j0, rows, pc, std::min(kKc, k - pc), weights + (pc / kKc) * w_block);
-    const int64_t next = j0 + kMr;
-    request_during_tiles(b, next, static_cast<int>(std::clamp<int64_t>(n1 - next, 0, kMr)), 0, k, act_panels, k);
+  // Weights that carry their scales (or have none) are read by chunks; promoted ones are
+  // packed with their scales for promoted_tile.
+  const bool by_chunks = !b.promote;
+  for (int64_t jb = n0; jb < n1; jb += kBlockRows) {
+    const int64_t jb1 = std::min(n1, jb + kBlockRows), panels = (jb1 - jb + kMr - 1) / kMr;
     for (int64_t pc = 0; pc < k; pc += kKc) {
       const int64_t kc = std::min(kKc, k - pc);
-      for (int64_t q = 0; q < act_panels; ++q) {
-        const float* act_panel = act + (pc / kKc) * act_block + q * panel_floats(kc, kMr);
-        // (acc holds whole 32 x 32 tiles; rows and columns past the operands sum zeros)
-        if (in_place) rows_tile(kc, row_ptr(b, j0) + pc * 2, b.ld * 2, act_panel, acc + q * kMr * kNr, pc > 0);
-        else full_tile(kc, weights + (pc / kKc) * w_block, act_panel, acc + q * kMr * kNr, kNr, pc > 0);
+      for (int64_t p = 0; p < panels; ++p) {
+        const int64_t j0 = jb + p * kMr;
+        const int rows = static_cast<int>(std::min<int64_t>(kMr, jb1 - j0));
+        RowChunks chunks;
+        if (by_chunks) {
+          const StripSource source(b, j0, rows, 0);
+          auto* words = reinterpret_cast<uint32_t*>(weights);
+          for (int64_t c = 0; c * kChunk < kc; ++c)
+            chunks.at[c] = source.chunk(pc + c * kChunk, words + c * kMr * kChunkWords, chunks.stride[c]);
+        } else {
+          pack_panels<false>(b, j0, rows, pc, kc, weights);
+        }
+        // The next micro-panel's rows of this K block, or the block's first of the next K
+        // block, or the next block's first, requested during these tiles.
+        const bool along = p + 1 < panels, down = !along && pc + kKc < k;
+        const int64_t next_j0 = along ? j0 + kMr : down ? jb : jb1, next_pc = along ? pc : down ? pc + kKc : 0;
+        const int next_rows = static_cast<int>(std::clamp<int64_t>(std::min(n1, next_j0 + kMr) - next_j0, 0, kMr));
+        request_during_tiles(b, next_j0, next_rows, next_pc, std::min(kKc, k - next_pc), act_panels, kc);
+        for (int64_t q = 0; q < act_panels; ++q) {
+          const float* act_panel = act + (pc / kKc) * act_block + q * panel_floats(kc, kMr);
+          float* c = acc + (p * act_panels + q) * kMr * kNr;  // (whole 32 x 32 tiles: past the operands, zeros)
+          if (by_chunks) rows_tile(kc, chunks, act_panel, c, pc > 0);
+          else full_tile(kc, weights, act_panel, c, kNr, pc > 0);
+        }
       }
     }
     request_during_tiles(b, 0, 0, 0, 0, 0, 0);
-    for (int64_t q = 0; q < act_panels; ++q)
-      write_transposed(acc + q * kMr * kNr, static_cast<int>(std::min<int64_t>(kMr, a.mn - q * kMr)), rows,
-                       res + q * kMr * kSinkCols + (j0 - sink_j0), kSinkCols);
-    if (j0 + kMr >= n1 || j0 + kMr - sink_j0 == kSinkCols) {
-      sink(ctx, res, kSinkCols, sink_j0, std::min(n1, j0 + kMr) - sink_j0);
-      sink_j0 = j0 + kMr;
-    }
+    for (int64_t p = 0; p < panels; ++p)
+      for (int64_t q = 0; q < act_panels; ++q)
+        write_transposed(acc + (p * act_panels + q) * kMr * kNr, static_cast<int>(std::min<int64_t>(kMr, a.mn - q * kMr)),
+                         static_cast<int>(std::min<int64_t>(kMr, jb1 - jb - p * kMr)), res + q * kMr * kBlockRows + p * kMr,
+                         kBlockRows);
+    sink(ctx, res, kBlockRows, jb, jb1 - jb);
   }
 }
 
@@ -1694,7 +1728,7 @@ const GemmKernels& gemm_kernels_amx() {
     t.begin_tiles = &begin_tiles;
     t.request_during_tiles = &request_during_tiles;
     t.medium_m = &medium_m;
-    t.medium_m_rows = kMediumM;
+    t.medium_m_takes = &medium_m_takes;
     t.prepare = &prepare;
     t.small_m = &stream_small_m;
     t.small_m_rows = kStreamM;

@@ -80,13 +80,13 @@ struct GemmKernels {
   // without this overlap.
   void (*request_during_tiles)(const GemmOperand& op, int64_t mn0, int count, int64_t k0, int64_t kc, int64_t tiles,
                                int64_t tile_kc) = nullptr;
-  // Medium M (small_m_rows < a.mn ≤ medium_m_rows), B K-major: the same sums as the
+  // Medium M (small_m_rows < a.mn, where medium_m_takes the operands): the same sums as the
   // blocked path, for columns [n0, n1), handed to `sink` a block of columns at a time
   // (res[i * ld_res + j - j0] for rows i < a.mn, columns [j0, j0 + cols)). Null where the
   // target has none.
   using ColumnSink = void (*)(void* ctx, const float* res, int64_t ld_res, int64_t j0, int64_t cols);
   void (*medium_m)(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t n1, ColumnSink sink, void* ctx) = nullptr;
-  int64_t medium_m_rows = 0;
+  bool (*medium_m_takes)(const GemmOperand& a, const GemmOperand& b) = nullptr;  // (prepared operands)
   // Small M (a.mn ≤ small_m_rows), B K-major (and A too unless small_m_any_a):
   // out[m, j - n0] = Σ_k a·b for columns [n0, n1), f32, row stride ld_out. Streams B once,
   // decoding as it goes. The driver asks for at most small_m_cols columns per call, and
