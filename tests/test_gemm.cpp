@@ -730,8 +730,9 @@ TEST(GemmAmx, StreamedWeightsScalesAtTheFoldingEdges) {
     int fast_hi, over, largest;  // the fast path's largest exponent, one past it (or not), any
   };
   int oracle_checks = 0;
-  // (One row of A: FP4 weights stream through the tiles too; FP8 ones take dot products.)
-  for (const int64_t m : {8, 1})
+  // (One row of A: FP4 weights stream through the tiles too; FP8 ones take dot products.
+  // 40 rows: the medium-M kernel, whose weight rows take the same decoders.)
+  for (const int64_t m : {8, 1, 40})
     for (const Config cf : {Config{true, 32, 120, 121, 124}, Config{true, 32, 120, 121, 126}, Config{false, 32, 119, 119, 119},
                             Config{false, 128, 119, 120, 120}, Config{false, 128, 119, 120, 126}}) {
       if (m == 1 && !cf.fp4) continue;
@@ -779,12 +780,36 @@ TEST(GemmAmx, StreamedWeightsScalesAtTheFoldingEdges) {
   EXPECT_GE(oracle_checks, 3);  // FP4 up to 2^124 (m 8 and 1) and FP8 up to 2^119 stay finite
 }
 
+// 33 to 192 rows of A against K-major weights swap the tiles' operands (medium_m): weight
+// rows are read a chunk at a time (in place, or decoded with their scales folded) where
+// neither operand is promoted, and packed with their scales for the promoted tiles
+// otherwise. Activations with f32 scales (promoted) against weights with power-of-two
+// scales (folded), and the reverse, must give the blocked path's bits (packed weights) and
+// the oracle's values.
+TEST(GemmAmx, MediumMOneOperandPromoted) {
+  if (!isa_supported(Isa::amx)) GTEST_SKIP() << "no AMX-BF16 (or not granted) on this CPU";
+  ScopedIsa amx(Isa::amx);
+  const int64_t m = 70, n = 100, k = 600;
+  const Tensor xa = random_bf16(m, k, 91), xb = random_bf16(n, k, 92);
+  for (const bool a_folds : {false, true}) {
+    SCOPED_TRACE(a_folds ? "weights promoted" : "activations promoted");
+    const Quantized qa = per_token_cast_to_fp8(xa, a_folds), qb = per_block_cast_to_fp8(xb, !a_folds);
+    Tensor unpacked = Tensor::empty({m, n}, DType::f32), packed = Tensor::empty({m, n}, DType::f32);
+    fp8_gemm_nt(qa, qb, unpacked);
+    fp8_fp4_gemm_packed(qa, pack_fp8_fp4_weights(qb), packed);
+    EXPECT_EQ(0, std::memcmp(unpacked.data(), packed.data(), m * n * 4));
+    const std::vector<double> want = ref::gemm(Layout::nt, {qa.values, qa.sf, 1, 128}, {qb.values, qb.sf, 128, 128});
+    EXPECT_LE(ref::calc_diff(ref::to_f64(unpacked), want), 1e-5);
+  }
+}
+
 // Streamed e4m3 weights take two decoders: rows of normal codes a bit rearrangement
 // (GFNI, where the CPU has it), rows holding a zero, subnormal or NaN code the tables. Every
 // one of the 256 codes, in rows of each kind, raw (f32 scales, promoted) and with folded
 // ue8m0 scales (128 x 128 blocks, and 1 x 32 groups: a shift per 32 codes), must give the
 // blocked path's bits (packed weights) and, with the NaN codes left out, the oracle's
-// values; 8 and 20 rows of A take the two tile shapes. A NaN code in a row of normal codes
+// values; 8 and 20 rows of A take the two tile shapes, 40 the medium-M kernel (weight rows
+// decoded by the same row decoders). A NaN code in a row of normal codes
 // sends that row to the tables too.
 TEST(GemmAmx, StreamedE4m3WeightsEveryCode) {
   if (!isa_supported(Isa::amx)) GTEST_SKIP() << "no AMX-BF16 (or not granted) on this CPU";
@@ -796,7 +821,7 @@ TEST(GemmAmx, StreamedE4m3WeightsEveryCode) {
   };
   for (const bool with_nan : {false, true})
     for (const Config cf : {Config{false, 128, 128}, Config{true, 128, 128}, Config{true, 1, 32}, Config{false, 1, 32}})
-      for (const int64_t m : {8, 20}) {
+      for (const int64_t m : {8, 20, 40}) {
         SCOPED_TRACE(std::string(cf.ue8m0 ? "ue8m0" : "f32") + " scales, gran " + std::to_string(cf.gran_mn) + " x " +
                      std::to_string(cf.gran_k) + ", m " + std::to_string(m) + (with_nan ? ", NaN codes" : ""));
         const Quantized qa = per_token_cast_to_fp8(random_bf16(m, k, 91), cf.ue8m0, cf.gran_k);

@@ -1560,9 +1560,10 @@ void medium_m(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t n1
   float* res = res_buffer.get(static_cast<size_t>(a.mn * kBlockRows));  // A's rows by the block's columns
   for (int64_t pc = 0; pc < k; pc += kKc) pack_panels<true>(a, 0, a.mn, pc, std::min(kKc, k - pc), act + (pc / kKc) * act_block);
   begin_tiles(true);  // (each weight panel is reused, A's panels stream)
-  // Weights that carry their scales (or have none) are read by chunks; promoted ones are
-  // packed with their scales for promoted_tile.
-  const bool by_chunks = !b.promote;
+  // Weights that carry their scales (or have none) are read by chunks when A's do too;
+  // otherwise the micro-panel is packed for promoted_tile (promoted weights go with their
+  // scales).
+  const bool by_chunks = !b.promote && !a.promote;
   for (int64_t jb = n0; jb < n1; jb += kBlockRows) {
     const int64_t jb1 = std::min(n1, jb + kBlockRows), panels = (jb1 - jb + kMr - 1) / kMr;
     for (int64_t pc = 0; pc < k; pc += kKc) {
