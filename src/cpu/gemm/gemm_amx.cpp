@@ -1030,14 +1030,12 @@ inline void run_hinted_steps(const uint8_t* a, const uint8_t* b, int64_t s0, int
 // Promoted: the tiles sum one K group (the finer of the two operands' groups) at a time
 // from zero; each group's sums go to memory and are promoted in f32 with AVX-512,
 // acc = fma(partial, sa[i] · sb[j], acc) (an operand that is not promoted has scale 1).
-void promoted_tile(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, bool accumulate) {
-  const auto& ha = *reinterpret_cast<const PanelHeader*>(a);
-  const auto& hb = *reinterpret_cast<const PanelHeader*>(b);
-  const int64_t steps = step_count(kc);
-  const int64_t ga = ha.promoted ? ha.group_steps : steps, gb = hb.promoted ? hb.group_steps : steps;
-  const int64_t group = std::min(ga, gb);
-  const float* sa = a + scales_offset(kc);
-  const float* sb = b + scales_offset(kc);
+// steps: the tile's step count; group: steps per promotion group; sa / sb: the row and
+// column operands' scales, kMr per group of ga / gb steps (null: not promoted); run(s0, s1)
+// adds steps [s0, s1) to the C tiles.
+template <class Steps>
+void promote_groups(int64_t steps, int64_t group, const float* sa, int64_t ga, const float* sb, int64_t gb, Steps run,
+                    float* c, int64_t ldc, bool accumulate) {
   alignas(64) float acc[kMr * kNr], part[kMr * kNr];
   for (int i = 0; i < kMr; ++i)
     for (int h = 0; h < 2; ++h)
@@ -1045,10 +1043,10 @@ void promoted_tile(int64_t kc, const float* a, const float* b, float* c, int64_t
   const __m512 one = _mm512_set1_ps(1.0f);
   for (int64_t s0 = 0; s0 < steps; s0 += group) {
     zero_c();
-    run_steps<Hint::none>(panel_steps(a), panel_steps(b), s0, std::min(steps, s0 + group));
+    run(s0, std::min(steps, s0 + group));
     store_c(part, kNr * 4);
-    const float* sa_g = ha.promoted ? sa + (s0 / ga) * kMr : nullptr;
-    const float* sb_g = hb.promoted ? sb + (s0 / gb) * kNr : nullptr;
+    const float* sa_g = sa ? sa + (s0 / ga) * kMr : nullptr;
+    const float* sb_g = sb ? sb + (s0 / gb) * kNr : nullptr;
     const __m512 sb0 = sb_g ? _mm512_load_ps(sb_g) : one, sb1 = sb_g ? _mm512_load_ps(sb_g + 16) : one;
     for (int i = 0; i < kMr; ++i) {
       const __m512 ai = _mm512_set1_ps(sa_g ? sa_g[i] : 1.0f);
@@ -1060,6 +1058,16 @@ void promoted_tile(int64_t kc, const float* a, const float* b, float* c, int64_t
   }
   for (int i = 0; i < kMr; ++i)
     for (int h = 0; h < 2; ++h) _mm512_storeu_ps(c + i * ldc + 16 * h, _mm512_load_ps(acc + i * kNr + 16 * h));
+}
+
+void promoted_tile(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, bool accumulate) {
+  const auto& ha = *reinterpret_cast<const PanelHeader*>(a);
+  const auto& hb = *reinterpret_cast<const PanelHeader*>(b);
+  const int64_t steps = step_count(kc);
+  const int64_t ga = ha.promoted ? ha.group_steps : steps, gb = hb.promoted ? hb.group_steps : steps;
+  promote_groups(
+      steps, std::min(ga, gb), ha.promoted ? a + scales_offset(kc) : nullptr, ga, hb.promoted ? b + scales_offset(kc) : nullptr,
+      gb, [&](int64_t s0, int64_t s1) { run_steps<Hint::none>(panel_steps(a), panel_steps(b), s0, s1); }, c, ldc, accumulate);
 }
 
 void full_tile(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, bool accumulate) {
@@ -1515,16 +1523,10 @@ struct RowChunks {
   int64_t stride[kKc / kChunk];
 };
 
-// A 32 x 32 tile of medium_m against a B panel: full_tile's steps, with the weights' tiles
-// loaded from their rows (in place, or decoded a chunk at a time) rather than from a packed
-// copy (copying plain bf16 rows into panels had taken a third as long as the products at
-// 128 x 32768 x 512).
-void rows_tile(int64_t kc, const RowChunks& w, const float* b, float* c, bool accumulate) {
-  if (accumulate) load_c(c, kNr * 4);
-  else zero_c();
+// Steps [s0, s1) of a medium_m tile: weight rows as RowChunks against a B panel's steps.
+inline void rows_steps(const RowChunks& w, const uint8_t* bs, int64_t s0, int64_t s1) {
   NextPanelRequests* requests = t_tile_requests ? &*t_tile_requests : nullptr;
-  const uint8_t* bs = panel_steps(b);
-  for (int64_t s = 0; s < step_count(kc); ++s) {
+  for (int64_t s = s0; s < s1; ++s) {
     if (requests) requests->step();
     const uint8_t* ws = w.at[s >> 3] + (s & 7) * 64;
     const int64_t stride = w.stride[s >> 3];
@@ -1537,6 +1539,27 @@ void rows_tile(int64_t kc, const RowChunks& w, const float* b, float* c, bool ac
     _tile_dpbf16ps(2, 5, 6);
     _tile_dpbf16ps(3, 5, 7);
   }
+}
+
+// A 32 x 32 tile of medium_m against a B panel (c: 32 x 32, row stride kNr): full_tile's
+// (or, with `w_scales` or a promoted B panel, promoted_tile's) sums, with the weights'
+// tiles loaded from their rows (in place, or decoded a chunk at a time) rather than from a
+// packed copy (copying plain bf16 rows into panels had taken a third as long as the
+// products at 128 x 32768 x 512). w_scales: the weights' scales, kMr per group of
+// w_group_steps steps (null: values carry their scales).
+void rows_tile(int64_t kc, const RowChunks& w, const float* w_scales, int64_t w_group_steps, const float* b, float* c,
+               bool accumulate) {
+  const uint8_t* bs = panel_steps(b);
+  const auto& hb = *reinterpret_cast<const PanelHeader*>(b);
+  if (w_scales || hb.promoted) {
+    const int64_t steps = step_count(kc), ga = w_scales ? w_group_steps : steps, gb = hb.promoted ? hb.group_steps : steps;
+    return promote_groups(
+        steps, std::min(ga, gb), w_scales, ga, hb.promoted ? b + scales_offset(kc) : nullptr, gb,
+        [&](int64_t s0, int64_t s1) { rows_steps(w, bs, s0, s1); }, c, kNr, accumulate);
+  }
+  if (accumulate) load_c(c, kNr * 4);
+  else zero_c();
+  rows_steps(w, bs, 0, step_count(kc));
   store_c(c, kNr * 4);
 }
 
@@ -1554,16 +1577,13 @@ void medium_m(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t n1
   const int64_t act_block = act_panels * panel_floats(kKc, kMr);
   static thread_local Scratch act_buffer, weight_buffer, acc_buffer, res_buffer;
   float* act = act_buffer.get(static_cast<size_t>((k + kKc - 1) / kKc * act_block));
-  // (a promoted micro-panel's pack, or a K block of decoded chunks)
-  float* weights = weight_buffer.get(static_cast<size_t>(std::max(panel_floats(kKc, kMr), kKc / kChunk * kMr * kChunkWords)));
+  float* weights = weight_buffer.get(static_cast<size_t>(kKc / kChunk * kMr * kChunkWords));  // a K block of decoded chunks
   float* acc = acc_buffer.get(static_cast<size_t>(kBlockRows / kMr * act_panels * kMr * kNr));
   float* res = res_buffer.get(static_cast<size_t>(a.mn * kBlockRows));  // A's rows by the block's columns
   for (int64_t pc = 0; pc < k; pc += kKc) pack_panels<true>(a, 0, a.mn, pc, std::min(kKc, k - pc), act + (pc / kKc) * act_block);
   begin_tiles(true);  // (each weight panel is reused, A's panels stream)
-  // Weights that carry their scales (or have none) are read by chunks when A's do too;
-  // otherwise the micro-panel is packed for promoted_tile (promoted weights go with their
-  // scales).
-  const bool by_chunks = !b.promote && !a.promote;
+  // (a K block's promoted weight scales, kMr per group)
+  alignas(64) float w_scales[kKc / kStep * kMr];
   for (int64_t jb = n0; jb < n1; jb += kBlockRows) {
     const int64_t jb1 = std::min(n1, jb + kBlockRows), panels = (jb1 - jb + kMr - 1) / kMr;
     for (int64_t pc = 0; pc < k; pc += kKc) {
@@ -1571,15 +1591,13 @@ void medium_m(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t n1
       for (int64_t p = 0; p < panels; ++p) {
         const int64_t j0 = jb + p * kMr;
         const int rows = static_cast<int>(std::min<int64_t>(kMr, jb1 - j0));
+        // (Raw values where the weights are promoted: their scales go to the promotion.)
         RowChunks chunks;
-        if (by_chunks) {
-          const StripSource source(b, j0, rows, 0);
-          auto* words = reinterpret_cast<uint32_t*>(weights);
-          for (int64_t c = 0; c * kChunk < kc; ++c)
-            chunks.at[c] = source.chunk(pc + c * kChunk, words + c * kMr * kChunkWords, chunks.stride[c]);
-        } else {
-          pack_panels<false>(b, j0, rows, pc, kc, weights);
-        }
+        const StripSource source(b, j0, rows, 0);
+        auto* words = reinterpret_cast<uint32_t*>(weights);
+        for (int64_t c = 0; c * kChunk < kc; ++c)
+          chunks.at[c] = source.chunk(pc + c * kChunk, words + c * kMr * kChunkWords, chunks.stride[c]);
+        if (b.promote) pack_scales(b, j0, rows, pc, kc, w_scales);
         // The next micro-panel's rows of this K block, or the block's first of the next K
         // block, or the next block's first, requested during these tiles.
         const bool along = p + 1 < panels, down = !along && pc + kKc < k;
@@ -1589,8 +1607,7 @@ void medium_m(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t n1
         for (int64_t q = 0; q < act_panels; ++q) {
           const float* act_panel = act + (pc / kKc) * act_block + q * panel_floats(kc, kMr);
           float* c = acc + (p * act_panels + q) * kMr * kNr;  // (whole 32 x 32 tiles: past the operands, zeros)
-          if (by_chunks) rows_tile(kc, chunks, act_panel, c, pc > 0);
-          else full_tile(kc, weights, act_panel, c, kNr, pc > 0);
+          rows_tile(kc, chunks, b.promote ? w_scales : nullptr, b.gran_k / kStep, act_panel, c, pc > 0);
         }
       }
     }
