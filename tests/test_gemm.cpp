@@ -328,7 +328,8 @@ TEST(Gemm, PartialRowPanelsMatchOracle) {
 // Row blocks of more than one register panel per thread take the blocked drivers: the
 // short-K order (K up to 6 blocks: partial sums kept per row block through all of K) and
 // the general one (more K blocks). Both, for every layout, several formats and C modes,
-// with one and two threads (two items of about 115 rows: still more than one row block each);
+// with one and two threads (two items of 150 rows: more than one register panel each; 300
+// rows, since up to 256 rows against K-major weights take medium_m on AMX);
 // N = 40 ends in a partial register panel; one wider case has several column blocks in the
 // short-K driver (A re-packed per column block). Every ISA path must give the same bits.
 TEST(Gemm, BlockedDriversMatchOracle) {
@@ -338,13 +339,13 @@ TEST(Gemm, BlockedDriversMatchOracle) {
     set_num_threads(threads);
     for (Layout layout : kLayouts)
       for (int64_t k : {300, 1700}) {  // 2 K blocks (short K), 7 (general)
-        check_case_on_every_isa({layout, Fmt::bf16, Fmt::bf16, 230, 40, k, DType::f32, CMode::in_place, false}, seed++);
-        check_case_on_every_isa({layout, Fmt::fp8_token, Fmt::fp8_block, 230, 40, k, DType::bf16, CMode::separate, false}, seed++);
-        check_case_on_every_isa({layout, Fmt::fp8_token, Fmt::fp4, 230, 40, k, DType::f32, CMode::none, true}, seed++);
+        check_case_on_every_isa({layout, Fmt::bf16, Fmt::bf16, 300, 40, k, DType::f32, CMode::in_place, false}, seed++);
+        check_case_on_every_isa({layout, Fmt::fp8_token, Fmt::fp8_block, 300, 40, k, DType::bf16, CMode::separate, false}, seed++);
+        check_case_on_every_isa({layout, Fmt::fp8_token, Fmt::fp4, 300, 40, k, DType::f32, CMode::none, true}, seed++);
       }
   }
   set_num_threads(1);  // 3 K blocks: packed B of 4 MiB holds 1360 columns, so 1400 are two column blocks
-  check_case_on_every_isa({Layout::nt, Fmt::bf16, Fmt::bf16, 230, 1400, 600, DType::bf16, CMode::separate, false}, seed++);
+  check_case_on_every_isa({Layout::nt, Fmt::bf16, Fmt::bf16, 300, 1400, 600, DType::bf16, CMode::separate, false}, seed++);
 }
 
 // FP4 weights with an odd K end each stored row in a byte whose high nibble lies past K:
@@ -577,7 +578,7 @@ TEST(GemmPacked, BitIdenticalToUnpackedCall) {
         // B through the tiles while packed ones take the blocked kernel: 20 x 70 x 4500 (three
         // K blocks, both C tile columns, a partial last strip) and 32 x 34 x 2100 must agree;
         // 16 x 200 x 256 and 12 x 130 x 512 decode each strip's one or two chunks while the
-        // strip before computes. Unpacked calls of 33 to 192 rows against K-major bf16 or FP8
+        // strip before computes. Unpacked calls of 33 to 256 rows against K-major bf16, FP8 or FP4
         // B swap the tiles' operands (medium_m): 70 x 100 x 4500 has three K blocks and a
         // partial panel of A; 40 x 300 x 2112 (whole steps: bf16 weight rows loaded where
         // they are) hands the columns out in two blocks on one thread.)
@@ -780,7 +781,7 @@ TEST(GemmAmx, StreamedWeightsScalesAtTheFoldingEdges) {
   EXPECT_GE(oracle_checks, 3);  // FP4 up to 2^124 (m 8 and 1) and FP8 up to 2^119 stay finite
 }
 
-// 33 to 192 rows of A against K-major weights swap the tiles' operands (medium_m): weight
+// 33 to 256 rows of A against K-major weights swap the tiles' operands (medium_m): weight
 // rows are read a chunk at a time (in place, or decoded with their scales folded) where
 // neither operand is promoted, and packed with their scales for the promoted tiles
 // otherwise. Activations with f32 scales (promoted) against weights with power-of-two
