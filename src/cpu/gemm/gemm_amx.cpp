@@ -812,11 +812,19 @@ __attribute__((target("avx512vbmi"))) void pack_e2m1_b_tiles(const GemmOperand& 
 
 // The scales of a promoted panel: scales[g * 32 + r] for the K groups g of block [k0, k0 + kc)
 // (the block starts on a group boundary: kKc is a multiple of every promoted group).
+// (Rows of one row of scales, as the 32 rows of a 128 x 128 FP8 block, copy the row before;
+// the rows' scale rows take one division. Perf of medium_m, 128 x 7168 x 2048 FP8 with f32
+// scales: pack_scales 3.5 -> 2.3 % of the samples; the call's time within noise.)
 void pack_scales(const GemmOperand& op, int64_t i0, int rows, int64_t k0, int64_t kc, float* scales) {
   const int64_t g0 = k0 / op.gran_k, groups = (kc + op.gran_k - 1) / op.gran_k;
+  const void* sf_rows[kMr] = {};
+  scale_rows(op, i0, rows, sf_rows);
   for (int r = 0; r < kMr; ++r) {
-    const void* sf_row = r < rows ? scale_row(op, i0 + r) : nullptr;
-    for (int64_t g = 0; g < groups; ++g) scales[g * kMr + r] = sf_row ? group_scale(op, sf_row, g0 + g) : 0.0f;
+    if (r > 0 && r < rows && sf_rows[r] == sf_rows[r - 1]) {
+      for (int64_t g = 0; g < groups; ++g) scales[g * kMr + r] = scales[g * kMr + r - 1];
+      continue;
+    }
+    for (int64_t g = 0; g < groups; ++g) scales[g * kMr + r] = r < rows ? group_scale(op, sf_rows[r], g0 + g) : 0.0f;
   }
 }
 
