@@ -1002,9 +1002,9 @@ inline void load_step(const uint8_t* as, const uint8_t* bs) {
   }
 }
 
-// What the driver packs next, requested a share per step of the blocked tiles that run
-// meanwhile (GemmKernels::request_during_tiles), so that the packing reads L2 instead of
-// waiting on memory between the tiles.
+// The weight rows medium_m reads next, requested a share per step of the tiles that run
+// meanwhile (request_during_tiles), so that the next micro-panel's rows are in L2 when its
+// chunks are decoded or tile-loaded.
 thread_local std::optional<NextPanelRequests> t_tile_requests;
 
 // Byte offset of element k along a K-major row of op (e2m1x2: two per byte, rounded up).
@@ -1022,9 +1022,7 @@ void request_during_tiles(const GemmOperand& op, int64_t mn0, int count, int64_t
 // C tiles += steps [s0, s1) of the panels.
 template <Hint kHint>
 inline void run_steps(const uint8_t* a, const uint8_t* b, int64_t s0, int64_t s1) {
-  NextPanelRequests* requests = t_tile_requests ? &*t_tile_requests : nullptr;
   for (int64_t s = s0; s < s1; ++s) {
-    if (requests) requests->step();
     load_step<kHint>(a + s * 2 * kTileBytes, b + s * 2 * kTileBytes);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
@@ -1754,7 +1752,6 @@ const GemmKernels& gemm_kernels_amx() {
     t.tile = &tile;
     // ldtilecfg per tile had been 10-18 % of a k-grouped call (K = 512: a tile is 16 steps).
     t.begin_tiles = &begin_tiles;
-    t.request_during_tiles = &request_during_tiles;
     t.medium_m = &medium_m;
     t.medium_m_takes = &medium_m_takes;
     t.prepare = &prepare;

@@ -74,12 +74,6 @@ struct GemmKernels {
   // The AMX target loads its tile configuration here (once per sweep rather than once per
   // tile) and hints the streamed operand's loads.
   void (*begin_tiles)(bool b_streams) = nullptr;
-  // Asks for K-major rows [mn0, mn0 + count) x K [k0, k0 + kc) of op, a share at every
-  // step of the next `tiles` tile() calls of depth tile_kc on this thread, into L2 (count 0:
-  // nothing more). Null where the target cannot; the driver then packs between tiles
-  // without this overlap.
-  void (*request_during_tiles)(const GemmOperand& op, int64_t mn0, int count, int64_t k0, int64_t kc, int64_t tiles,
-                               int64_t tile_kc) = nullptr;
   // Medium M (small_m_rows < a.mn, where medium_m_takes the operands): the same sums as the
   // blocked path, for columns [n0, n1), handed to `sink` a block of columns at a time
   // (res[i * ld_res + j - j0] for rows i < a.mn, columns [j0, j0 + cols)). Null where the
