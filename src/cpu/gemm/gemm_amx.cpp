@@ -1515,13 +1515,14 @@ void stream_small_m_tiles(const GemmOperand& a, const GemmOperand& b, int64_t n0
 // B into pair-major panels, a 16 x 16 transpose per KiB: at 128 x 7168 x 2048 bf16 that
 // packing took about 1 of 2.7 ms and did not overlap the products, even when spread through
 // the tile steps (its shuffles and stores compete with the tile loads; docs/GEMM.md). Here
-// the roles swap, as on the streaming path: weight rows are the tiles' row operand, which
-// packing copies as 64-byte rows (or decodes FP8/FP4 to), and A, packed once per call as B
-// panels, the other. Each micro-panel of 32 weight rows is packed over all of K, its source
-// rows having been requested during the previous micro-panel's tiles, then swept against
-// every panel of A. tdpbf16ps is symmetric in its operands and the promotion's scale
-// product commutes, so every element is the blocked path's chain, K block for K block:
-// the same bits (tested against pre-packed weights, which take the blocked path).
+// the roles swap, as on the streaming path: weight rows are the tiles' row operand, read
+// 256 K at a time where they are (bf16) or decoded (StripSource::chunk), and A, packed once
+// per call as B panels, the other. Each micro-panel of 32 weight rows is swept against
+// every panel of A, K block by K block, while the next micro-panel's source rows are
+// requested. tdpbf16ps is symmetric in its operands and the promotion's scale product
+// commutes, so every element is the blocked path's chain, K block for K block: the same
+// bits (tested against pre-packed weights, which take the blocked path).
+
 // The row operand of a medium_m tile, 256 K at a time, as StripSource::chunk gives it:
 // plain bf16 rows where they are, or rows decoded into a buffer (FP8, and folded FP8 or FP4
 // scales, by the streaming path's row decoders).
