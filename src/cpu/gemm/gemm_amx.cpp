@@ -454,11 +454,12 @@ __attribute__((target("avx512bw,avx512vl"))) void e2m1_rows_to_bf16(const GemmOp
   // The shifts as word pairs, so that each group's is a dword broadcast from memory, which
   // is a plain load (a word broadcast, or one from a register, takes the shuffle port that
   // the lookups below need). The compiler barrier keeps it from forwarding them in
-  // registers. FP8 x FP4 16 x 4096 x 7168 from L3, 2 threads: 0.97-1.01 -> 0.87-0.89 ms
-  // with the cheaper chunk_shifts above.
+  // registers. FP8 x FP4 16 x 4096 x 7168 from L3, 2 threads, with the two-row shifts
+  // above: 0.94-1.03 -> 0.83-0.85 ms (alternated; docs/GEMM.md).
   alignas(64) int32_t pairs[kMr * kGroups];
   for (int i = 0; i < rows * kGroups; i += 16) {
-    const __m512i s = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(shift + i)));
+    const auto live = static_cast<__mmask16>(rows * kGroups - i >= 16 ? 0xffff : 0x00ff);  // (an odd last row)
+    const __m512i s = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, shift + i));
     _mm512_store_si512(pairs + i, _mm512_or_si512(s, _mm512_slli_epi32(s, 16)));
   }
   asm volatile("" ::: "memory");
