@@ -463,8 +463,8 @@ __attribute__((target("avx512bw,avx512vl"))) void e2m1_rows_to_bf16(const GemmOp
     _mm512_store_si512(pairs + i, _mm512_or_si512(s, _mm512_slli_epi32(s, 16)));
   }
   asm volatile("" ::: "memory");
-  const uint8_t* src = op.data + i0 * op.ld + k0 / 2;  // (e2m1x2: ld counts bytes)
-  for (int r = 0; r < rows; ++r, src += op.ld) {
+  const uint8_t* src = row_ptr(op, i0) + k0 / 2;
+  for (int r = 0; r < rows; ++r, src += op.ld) {  // (e2m1x2: ld counts bytes)
     auto* dst = reinterpret_cast<uint16_t*>(out + r * kChunkWords);
     for (int g = 0; g < kGroups; ++g) {
       // 16 bytes -> 32-bit lanes b | b << 12: the low word indexes by code 2i (b's low nibble),
