@@ -120,8 +120,10 @@ TEST(EpKernels, WeightedReduceEveryPathMatchesFmaInOrder) {
 
 TEST(EpKernels, StreamCopyCopiesEveryByte) {
   using CopyFn = void (*)(void*, const void*, size_t);
-  const auto paths = simd_paths<CopyFn>(moekit::detail::copy_stream_avx2, moekit::detail::copy_stream_avx512);
+  auto paths = simd_paths<CopyFn>(moekit::detail::copy_stream_avx2, moekit::detail::copy_stream_avx512);
   if (paths.empty()) GTEST_SKIP() << "this CPU has no SIMD path to compare";
+  if (moekit::isa_supported(moekit::Isa::avx512)) paths.push_back({"avx512_ahead", moekit::detail::copy_stream_avx512_ahead});
+  paths.push_back({"to_huge_pages", moekit::detail::copy_stream_to_huge_pages});
   std::vector<unsigned char> src(70000), dst(70000 + 128);
   for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<unsigned char>(i * 131 + 7);
   for (const auto& [name, copy] : paths)

@@ -18,6 +18,11 @@ void copy_stream(void* dst, const void* src, size_t n) {
   }
 }
 
+void copy_stream_to_huge_pages(void* dst, const void* src, size_t n) {
+  if (n >= kStreamMinBytes && active_isa() >= Isa::avx512) copy_stream_avx512_ahead(dst, src, n);
+  else copy_stream(dst, src, n);
+}
+
 void stream_fence() { _mm_sfence(); }
 
 }  // namespace moekit::detail

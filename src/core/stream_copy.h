@@ -14,7 +14,13 @@ void copy_stream(void* dst, const void* src, size_t n);
 void stream_fence();
 inline constexpr size_t kStreamMinBytes = 2048;
 
-void copy_stream_avx2(void* dst, const void* src, size_t n);    // n >= 64
-void copy_stream_avx512(void* dst, const void* src, size_t n);  // n >= 64
+// copy_stream for destinations on 2 MiB pages: with AVX-512, one line per iteration with
+// each source line requested a few KiB ahead, which streams faster into huge pages and
+// slower into 4 KiB ones (stream_copy_avx512.cpp); elsewhere copy_stream.
+void copy_stream_to_huge_pages(void* dst, const void* src, size_t n);
+
+void copy_stream_avx2(void* dst, const void* src, size_t n);          // n >= 64
+void copy_stream_avx512(void* dst, const void* src, size_t n);        // n >= 64
+void copy_stream_avx512_ahead(void* dst, const void* src, size_t n);  // n >= 64
 
 }  // namespace moekit::detail

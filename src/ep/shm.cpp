@@ -5,8 +5,14 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <cerrno>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <string>
 
 #include "core/check.h"
 
@@ -18,12 +24,45 @@ namespace {
                        std::strerror(err));
 }
 
-char* map_fd(int fd, size_t bytes, int extra_flags, const std::string& name) {
-  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | extra_flags, fd, 0);
+// Maps the segment, asking for transparent huge pages before any page is touched
+// (populate: map every page afterwards, as MAP_POPULATE would). They take effect where the
+// shared-memory mount allows them (`/dev/shm` mounted with huge=within_size, advise or
+// always); elsewhere the advice does nothing.
+char* map_fd(int fd, size_t bytes, bool populate, const std::string& name) {
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   const int err = errno;
   ::close(fd);
   if (p == MAP_FAILED) fail_errno("mmap", name, err);
+#ifdef MADV_HUGEPAGE
+  ::madvise(p, bytes, MADV_HUGEPAGE);  // (advice: failure is harmless)
+#endif
+  if (populate) {
+#ifdef MADV_POPULATE_READ
+    if (::madvise(p, bytes, MADV_POPULATE_READ) == 0) return static_cast<char*>(p);
+#endif
+    const volatile char* c = static_cast<const char*>(p);
+    for (size_t i = 0; i < bytes; i += 4096) (void)c[i];
+  }
   return static_cast<char*>(p);
+}
+
+// Whether the mapping that starts at p maps any of its memory with 2 MiB pages
+// (/proc/self/smaps: ShmemPmdMapped of that mapping).
+bool huge_pages_at(const void* p) {
+  std::ifstream smaps("/proc/self/smaps");
+  char start[32];
+  std::snprintf(start, sizeof start, "%lx-", static_cast<unsigned long>(reinterpret_cast<uintptr_t>(p)));
+  bool inside = false;
+  for (std::string line; std::getline(smaps, line);) {
+    const bool header = !line.empty() && std::isxdigit(static_cast<unsigned char>(line[0])) && line.find('-') < line.find(' ');
+    if (header) {
+      if (inside) return false;
+      inside = line.rfind(start, 0) == 0;
+    } else if (inside && line.rfind("ShmemPmdMapped:", 0) == 0) {
+      return std::strtol(line.c_str() + 15, nullptr, 10) > 0;
+    }
+  }
+  return false;
 }
 
 }  // namespace
@@ -39,7 +78,7 @@ std::shared_ptr<Mapping> Mapping::create(const std::string& name, size_t bytes, 
   }
   char* data = nullptr;
   try {
-    data = map_fd(fd, bytes, 0, name);
+    data = map_fd(fd, bytes, false, name);
   } catch (...) {
     ::shm_unlink(name.c_str());
     throw;
@@ -47,7 +86,9 @@ std::shared_ptr<Mapping> Mapping::create(const std::string& name, size_t bytes, 
   // Touching every page now allocates it, so copies from peers never take the first-touch
   // fault on the critical path.
   if (touch) std::memset(data, 0, bytes);
-  return std::shared_ptr<Mapping>(new Mapping(name, data, bytes, true));
+  auto m = std::shared_ptr<Mapping>(new Mapping(name, data, bytes, true));
+  m->huge_ = touch && huge_pages_at(data);
+  return m;
 }
 
 std::shared_ptr<Mapping> Mapping::open(const std::string& name, bool populate) {
@@ -60,7 +101,7 @@ std::shared_ptr<Mapping> Mapping::open(const std::string& name, bool populate) {
     fail_errno("fstat", name, err);
   }
   const size_t bytes = static_cast<size_t>(st.st_size);
-  char* data = map_fd(fd, bytes, populate ? MAP_POPULATE : 0, name);
+  char* data = map_fd(fd, bytes, populate, name);
   auto m = std::shared_ptr<Mapping>(new Mapping(name, data, bytes, false));
   m->linked_ = false;  // the creator owns the name
   return m;

@@ -28,6 +28,8 @@ class Mapping {
   const std::string& name() const { return name_; }
   // Removes the name (idempotent); the memory stays mapped.
   void unlink();
+  // Whether a segment created with touch got 2 MiB pages (false for opened segments).
+  bool huge() const { return huge_; }
   bool contains(const void* p, size_t n) const {
     const char* c = static_cast<const char*>(p);
     return c >= data_ && n <= bytes_ && c <= data_ + (bytes_ - n);
@@ -41,6 +43,7 @@ class Mapping {
   size_t bytes_;
   bool owner_;
   bool linked_ = true;
+  bool huge_ = false;
 };
 
 }  // namespace moekit::ep::detail
