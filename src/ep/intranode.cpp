@@ -214,6 +214,7 @@ CombineResult Buffer::combine(const CombineArgs& a) {
     // (Segments on 2 MiB pages take the copy that streams faster into them: stream_copy.h.
     // The node's segments share one mount, so this rank's first tells.)
     const bool huge = m.heap && m.heap->num_segments() > 0 && m.heap->segment(0)->huge();
+    const auto copy = huge ? moekit::detail::copy_stream_to_huge_pages : moekit::detail::copy_stream;
     // Round 2: send each owner back its rows (one contiguous run per owner).
     for (int s = 0; s < R; ++s) {
       const int64_t n = hs.count(s, me);
@@ -235,14 +236,13 @@ CombineResult Buffer::combine(const CombineArgs& a) {
           const size_t total = static_cast<size_t>(n) * row_bytes;
           parallel_chunks(threads, static_cast<int64_t>(total / 4096 + 1), [&](int64_t b, int64_t e) {
             const size_t lo = std::min(total, static_cast<size_t>(b) * 4096), hi = std::min(total, static_cast<size_t>(e) * 4096);
-            if (hi > lo && huge) moekit::detail::copy_stream_to_huge_pages(dst + lo, src + lo, hi - lo);
-            else if (hi > lo) detail::copy_stream(dst + lo, src + lo, hi - lo);
+            if (hi > lo) copy(dst + lo, src + lo, hi - lo);
             detail::stream_fence();
           });
         } else {
           for (int64_t r = 0; r < n; ++r)
-            detail::copy_stream(stage + static_cast<size_t>(before + r) * row_bytes,
-                                static_cast<const char*>(x.data()) + (first + r) * xs, row_bytes);
+            copy(stage + static_cast<size_t>(before + r) * row_bytes, static_cast<const char*>(x.data()) + (first + r) * xs,
+                 row_bytes);
         }
       }
       if (topk > 0)
