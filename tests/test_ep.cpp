@@ -832,6 +832,15 @@ TEST(EpBuffer, RanksConfigAndLifecycle) {
   } else {
     EXPECT_EQ(buf->timeout_s(), 100.0);
   }
+  // Combine reads peers' private x through process_vm_readv unless told not to (the suite
+  // also runs with MOEKIT_EP_CMA=0: ep_intranode_np4_staged).
+  const char* cma = std::getenv("MOEKIT_EP_CMA");
+  if (cma != nullptr && std::string(cma) == "0") {
+    EXPECT_FALSE(buf->reads_peer_memory());
+  }
+  if (const char* want = std::getenv("MOEKIT_EP_TEST_EXPECT_CMA")) {
+    EXPECT_EQ(buf->reads_peer_memory(), std::string(want) == "1");
+  }
   const Tensor local = buf->get_local_buffer_tensor();
   EXPECT_TRUE(local.defined());
   EXPECT_EQ(local.dtype(), DType::u8);

@@ -223,6 +223,11 @@ class Buffer {
   int get_num_local_ranks() const; // ranks per node
   double timeout_s() const;
   bool is_available() const;       // false after destroy()
+  // CPU extension: whether combine reads the expert ranks' private x straight from their
+  // memory (process_vm_readv) rather than having them copy it into shared memory first.
+  // Decided at construction, the same on every rank: MOEKIT_EP_CMA=0 turns it off, and so
+  // does a kernel or ptrace policy that refuses it (docs/EP.md).
+  bool reads_peer_memory() const;
 
   // This rank's shared receive memory (the first segment) as u8 [num_nvl_bytes].
   Tensor get_local_buffer_tensor() const;

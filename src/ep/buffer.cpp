@@ -12,11 +12,38 @@
 //             3. owner signals it has finished reading (x offered in place may be released)
 // Flags only grow (op * 8 + phase), so a slow reader can never see a stale value as new.
 #include "ep/buffer_impl.h"
+#include "ep/cma.h"
 
 namespace moekit::ep {
 
 namespace {
 std::atomic<uint64_t> g_next_buffer_id{1};
+
+// Whether every rank of every node can read its node peers' private memory with
+// process_vm_readv (the same user, and a ptrace policy that allows it: Yama's ptrace_scope
+// 0, or CAP_SYS_PTRACE), tried on a word each rank holds on its stack while the others read
+// it. Every rank gets the same answer (all-reduced), so each knows whether its peers will
+// read its x or expect it staged. Fills m.peer_pids.
+bool probe_cross_memory_attach(Buffer::Impl& m, bool wanted) {
+  volatile uint64_t word = 0x6d6f656b69740000ull | static_cast<uint64_t>(m.local_rank);
+  const uint64_t mine[2] = {static_cast<uint64_t>(::getpid()), reinterpret_cast<uint64_t>(&word)};
+  std::vector<uint64_t> all(static_cast<size_t>(2 * m.ranks_per_node));
+  MPI_Allgather(mine, 2, MPI_UINT64_T, all.data(), 2, MPI_UINT64_T, m.node_comm);
+  m.peer_pids.assign(static_cast<size_t>(m.ranks_per_node), 0);
+  int ok = wanted;
+  for (int p = 0; p < m.ranks_per_node; ++p) {
+    m.peer_pids[static_cast<size_t>(p)] = static_cast<pid_t>(all[static_cast<size_t>(2 * p)]);
+    if (!ok || p == m.local_rank) continue;
+    uint64_t seen = 0;
+    ok = read_peer_rows(m.peer_pids[static_cast<size_t>(p)], all[static_cast<size_t>(2 * p + 1)], 8, 1, 8,
+                        reinterpret_cast<char*>(&seen)) &&
+         seen == (0x6d6f656b69740000ull | static_cast<uint64_t>(p));
+  }
+  int all_ok = 0;
+  MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, m.comm);  // (the peers' words live until here)
+  (void)word;
+  return all_ok != 0;
+}
 }  // namespace
 
 // ---- errors, events, config ----
@@ -64,6 +91,7 @@ Buffer::Buffer(MPI_Comm comm, int64_t num_nvl_bytes, int64_t num_rdma_bytes, Buf
   if (num_nvl_bytes < 0) fail(fn, "num_nvl_bytes", ">= 0", std::to_string(num_nvl_bytes));
   if (num_rdma_bytes < 0) fail(fn, "num_rdma_bytes", ">= 0", std::to_string(num_rdma_bytes));
   m.timeout = options.timeout_s > 0 ? options.timeout_s : env_double("MOEKIT_EP_TIMEOUT_S", 100.0);
+  const bool cma_wanted = env_flag("MOEKIT_EP_CMA", true);
   MPI_Comm_dup(comm, &m.comm);
   MPI_Comm_rank(m.comm, &m.rank);
   MPI_Comm_size(m.comm, &m.num_ranks);
@@ -154,6 +182,7 @@ Buffer::Buffer(MPI_Comm comm, int64_t num_nvl_bytes, int64_t num_rdma_bytes, Buf
     fail(fn, "shared memory", "every rank to create and map its segments",
          error.empty() ? "a failure on another rank" : error);
   }
+  m.cma = probe_cross_memory_attach(m, cma_wanted);
 }
 
 Buffer::~Buffer() {
@@ -204,6 +233,7 @@ int Buffer::get_num_ranks() const { return impl_->num_ranks; }
 int Buffer::get_local_rank() const { return impl_->local_rank; }
 int Buffer::get_num_local_ranks() const { return impl_->ranks_per_node; }
 double Buffer::timeout_s() const { return impl_->timeout; }
+bool Buffer::reads_peer_memory() const { return impl_->cma; }
 bool Buffer::is_available() const { return impl_->available; }
 
 Tensor Buffer::get_local_buffer_tensor() const {

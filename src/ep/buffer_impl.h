@@ -66,6 +66,13 @@ inline int env_int(const char* name, int fallback) {
   return static_cast<int>(d);
 }
 
+inline bool env_flag(const char* name, bool fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  if (std::strcmp(v, "0") != 0 && std::strcmp(v, "1") != 0) fail("ep::Buffer", name, "0 or 1", v);
+  return v[0] == '1';
+}
+
 // ---- the per-rank heap of shared data segments ----
 
 class Heap {
@@ -207,6 +214,7 @@ enum Meta : int {
   kXSeg,
   kXOff,
   kXStride,
+  kXAddr,      // combine: x's address in this process (read by owners through cma)
   kMetaCount = 16,
 };
 
@@ -279,6 +287,11 @@ struct Buffer::Impl {
   // so a call with a larger hidden size never spills into the other half's live result.
   size_t ll_half_stride() const { return static_cast<size_t>(num_rdma_bytes / 2) / 4096 * 4096; }
   std::vector<int> masked;  // by rank, this rank's view
+  // Whether every rank may read its node peers' private memory (process_vm_readv; probed at
+  // construction, the same answer on every rank; MOEKIT_EP_CMA=0 turns it off), and their
+  // process ids by local rank.
+  bool cma = false;
+  std::vector<pid_t> peer_pids;
 
   // Like wait_all, but masked ranks count as answered. Across nodes it keeps this rank's
   // low-latency messages moving while it waits: MPI moves a large (rendezvous) message only

@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "ep/buffer_impl.h"
+#include "ep/cma.h"
 #include "ep/plan.h"
 
 namespace moekit::ep {
@@ -10,6 +11,9 @@ namespace {
 
 constexpr const char* kDispatch = "ep::Buffer::dispatch";
 constexpr const char* kCombine = "ep::Buffer::combine";
+// Bytes of peers' rows a combine thread reads through cma per block of tokens (a scratch that
+// stays in L2 while the block is summed).
+constexpr int64_t kPullBytes = int64_t{256} << 10;
 constexpr uint64_t kCodeBf16 = 1, kCodeE4m3 = 2;
 
 using moekit::detail::check_cpu_matrix;
@@ -179,6 +183,8 @@ CombineResult Buffer::combine(const CombineArgs& a) {
   mine[kSeg] = static_cast<uint64_t>(staging->seg);
   mine[kOff] = staging->off;
   mine[kNumSegs] = static_cast<uint64_t>(m.heap->num_segments());
+  mine[kXAddr] = reinterpret_cast<uint64_t>(a.x.data());
+  mine[kXStride] = static_cast<uint64_t>(a.x.stride(0)) * 2;
   if (hs.rows > 0) {
     const size_t span = static_cast<size_t>((hs.rows - 1) * a.x.stride(0)) * 2 + row_bytes;
     size_t off = 0;
@@ -187,7 +193,6 @@ CombineResult Buffer::combine(const CombineArgs& a) {
       mine[kInPlace] = 1;
       mine[kXSeg] = static_cast<uint64_t>(seg);
       mine[kXOff] = off;
-      mine[kXStride] = static_cast<uint64_t>(a.x.stride(0)) * 2;
     }
   }
   m.publish(kPhaseCounts);
@@ -227,8 +232,9 @@ CombineResult Buffer::combine(const CombineArgs& a) {
       int64_t owner_rows = 0;  // the owner's staging holds all rows it sent; weights follow
       for (int q = 0; q < R; ++q) owner_rows += hs.count(s, q);
       const size_t owner_weights_at = align_up(static_cast<size_t>(owner_rows) * row_bytes, 64);
-      // (This rank's own rows need no staging: its reduce below reads them from x itself.)
-      if (!in_place && s != me) {
+      // (This rank's own rows need no staging: its reduce below reads them from x itself;
+      // with cma, neither do the others: their owners read them from x too.)
+      if (!in_place && s != me && !m.cma) {
         const int64_t xs = x.stride(0) * 2;
         if (xs == static_cast<int64_t>(row_bytes)) {
           const auto* src = static_cast<const char*>(x.data()) + first * xs;
@@ -272,8 +278,48 @@ CombineResult Buffer::combine(const CombineArgs& a) {
       direct[static_cast<size_t>(me)] = static_cast<const char*>(x.data()) + hs.recv_before(me, me) * xs;
       direct_stride[static_cast<size_t>(me)] = xs;
     }
+    // Ranks whose private x this rank reads through cma, a block of tokens at a time, into a
+    // scratch that stays in L2 while the block is summed: one kernel copy out of each peer's
+    // x instead of the peer's copy into shared memory and this rank's read of it.
+    std::vector<int> pulled;
+    for (int d = 0; d < R; ++d)
+      if (m.cma && d != me && !direct[static_cast<size_t>(d)] && hs.count(me, d) > 0) pulled.push_back(d);
+    const int64_t block = pulled.empty() ? std::max<int64_t>(hs.tokens, 1)
+                                         : std::max<int64_t>(1, kPullBytes / (static_cast<int64_t>(pulled.size()) * static_cast<int64_t>(row_bytes)));
+    std::atomic<int> failed_peer{-1};
+    std::atomic<int> failed_errno{0};
     const int32_t* head = hs.send_head.data_ptr<int32_t>();
     parallel_chunks(threads, hs.tokens, [&](int64_t t0, int64_t t1) {
+      // Rows [first[i], first[i] + rows[i]) of the run pulled[i] holds for this rank, in the
+      // scratch from row offset at[i].
+      static thread_local std::vector<char> scratch;
+      std::vector<int64_t> first(pulled.size()), rows(pulled.size()), at(pulled.size());
+      std::vector<int> slot(static_cast<size_t>(R), -1);
+      for (size_t i = 0; i < pulled.size(); ++i) slot[static_cast<size_t>(pulled[i])] = static_cast<int>(i);
+      auto pull = [&](int64_t b0, int64_t b1) {
+        int64_t total = 0;
+        for (size_t i = 0; i < pulled.size(); ++i) {
+          const int d = pulled[i];
+          int64_t lo = -1, hi = -1;  // (a run holds the owner's tokens in ascending order)
+          for (int64_t t = b0; t < b1 && lo < 0; ++t) lo = head[t * R + d];
+          for (int64_t t = b1 - 1; t >= b0 && hi < 0; --t) hi = head[t * R + d];
+          first[i] = lo, rows[i] = lo < 0 ? 0 : hi - lo + 1, at[i] = total, total += rows[i];
+        }
+        if (scratch.size() < static_cast<size_t>(total) * row_bytes) scratch.resize(static_cast<size_t>(total) * row_bytes);
+        for (size_t i = 0; i < pulled.size(); ++i) {
+          if (rows[i] == 0) continue;
+          const int d = pulled[i];
+          const uint64_t* dm = m.meta(d);
+          const int64_t stride = static_cast<int64_t>(dm[kXStride]);
+          const uint64_t from = dm[kXAddr] + static_cast<uint64_t>((hs.recv_before(me, d) + first[i]) * stride);
+          if (!read_peer_rows(m.peer_pids[static_cast<size_t>(d)], from, stride, rows[i], row_bytes,
+                              scratch.data() + static_cast<size_t>(at[i]) * row_bytes)) {
+            int none = -1;
+            if (failed_peer.compare_exchange_strong(none, d)) failed_errno = errno;
+            std::memset(scratch.data() + static_cast<size_t>(at[i]) * row_bytes, 0, static_cast<size_t>(rows[i]) * row_bytes);
+          }
+        }
+      };
       // Token t's rows, one per rank that received it, ascending rank, and each one's index in
       // its owner's staging (where its weights are, whether or not its values are there).
       struct Received {
@@ -287,40 +333,50 @@ CombineResult Buffer::combine(const CombineArgs& a) {
           const int32_t j = head[t * R + d];
           if (j < 0) continue;
           const size_t staged = static_cast<size_t>(stage_before[static_cast<size_t>(d)] + j);
-          const char* row = direct[static_cast<size_t>(d)] ? direct[static_cast<size_t>(d)] + j * direct_stride[static_cast<size_t>(d)]
-                                                           : stage + staged * row_bytes;
+          const int i = slot[static_cast<size_t>(d)];
+          const char* row = i >= 0 ? scratch.data() + static_cast<size_t>(at[static_cast<size_t>(i)] + j - first[static_cast<size_t>(i)]) * row_bytes
+                            : direct[static_cast<size_t>(d)] ? direct[static_cast<size_t>(d)] + j * direct_stride[static_cast<size_t>(d)]
+                                                             : stage + staged * row_bytes;
           to.rows[static_cast<size_t>(to.n)] = reinterpret_cast<const uint16_t*>(row);
           to.staged[static_cast<size_t>(to.n++)] = staged;
         }
       };
       Received cur{std::vector<const uint16_t*>(static_cast<size_t>(R)), std::vector<size_t>(static_cast<size_t>(R))};
       Received next = cur;
-      if (t0 < t1) gather(t0, cur);
-      for (int64_t t = t0; t < t1; ++t) {
-        if (topk > 0) {
-          float* wout = combined_w.data_ptr<float>() + t * topk;
-          std::fill_n(wout, topk, 0.0f);
-          for (int i = 0; i < cur.n; ++i) {
-            const float* w = reinterpret_cast<const float*>(stage + weights_at) + cur.staged[static_cast<size_t>(i)] * static_cast<size_t>(topk);
-            for (int64_t q = 0; q < topk; ++q) wout[q] += w[q];
+      for (int64_t block_begin = t0; block_begin < t1; block_begin += block) {
+        const int64_t block_end = std::min(t1, block_begin + block);
+        if (!pulled.empty()) pull(block_begin, block_end);
+        gather(block_begin, cur);
+        for (int64_t t = block_begin; t < block_end; ++t) {
+          if (topk > 0) {
+            float* wout = combined_w.data_ptr<float>() + t * topk;
+            std::fill_n(wout, topk, 0.0f);
+            for (int i = 0; i < cur.n; ++i) {
+              const float* w = reinterpret_cast<const float*>(stage + weights_at) + cur.staged[static_cast<size_t>(i)] * static_cast<size_t>(topk);
+              for (int64_t q = 0; q < topk; ++q) wout[q] += w[q];
+            }
           }
+          // The next token's rows sit elsewhere (other ranks' areas): requesting them while this
+          // token is summed hides the DRAM latency of each new row.
+          next.n = 0;
+          if (t + 1 < block_end) gather(t + 1, next);
+          const uint16_t* b0 = bias_0.defined() ? bias_0.data_ptr<uint16_t>() + t * bias_0.stride(0) : nullptr;
+          const uint16_t* b1 = bias_1.defined() ? bias_1.data_ptr<uint16_t>() + t * bias_1.stride(0) : nullptr;
+          detail::reduce_rows_bf16(combined.data_ptr<uint16_t>() + t * hidden, cur.rows.data(), cur.n, b0, b1, hidden,
+                                   detail::RowsAhead{next.rows.data(), next.n});
+          std::swap(cur, next);
         }
-        // The next token's rows sit elsewhere (other ranks' areas): requesting them while this
-        // token is summed hides the DRAM latency of each new row.
-        next.n = 0;
-        if (t + 1 < t1) gather(t + 1, next);
-        const uint16_t* b0 = bias_0.defined() ? bias_0.data_ptr<uint16_t>() + t * bias_0.stride(0) : nullptr;
-        const uint16_t* b1 = bias_1.defined() ? bias_1.data_ptr<uint16_t>() + t * bias_1.stride(0) : nullptr;
-        detail::reduce_rows_bf16(combined.data_ptr<uint16_t>() + t * hidden, cur.rows.data(), cur.n, b0, b1, hidden,
-                                 detail::RowsAhead{next.rows.data(), next.n});
-        std::swap(cur, next);
       }
       detail::stream_fence();
     });
-    // Round 3: owners are done reading; x offered in place may be released.
+    // Round 3: owners are done reading; x offered in place (or read through cma) may be
+    // released.
     m.signal_all(kPhaseRead);
     m.wait_done(kCombine, kPhaseRead);
     m.finish_op_segments();
+    if (failed_peer >= 0)
+      fail(kCombine, "x", "rank " + std::to_string(failed_peer.load()) + "'s x readable through process_vm_readv",
+           std::strerror(failed_errno.load()));
   });
   return out;
 }

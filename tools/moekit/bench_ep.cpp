@@ -446,6 +446,8 @@ void bench_ep(const BenchOptions& options) {
         // One node: the same f32 sum in the same order, so bit-identical; across nodes the
         // partials are associated per node (docs/EP.md), so only calc_diff is compared.
         rb.notes[nodes > 1 ? "same_as_alltoallv" : "bit_exact_vs_alltoallv"] = same ? "yes" : (nodes > 1 ? "no" : "NO");
+        // (whether owners read private x from its rank's memory: Buffer::reads_peer_memory)
+        if (nodes == 1 && !in_place) rb.notes["reads_peer_x"] = buffer.reads_peer_memory() ? "yes" : "no";
         note_rail(rb, 2 * hidden, tcb.median_us);
         if (print) report.print(rb);
       }
