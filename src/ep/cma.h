@@ -16,5 +16,7 @@ namespace moekit::ep::detail {
 // process `pid`, to `local` (rows packed back to back). False (errno set) where the kernel
 // refused or the peer's memory was not there.
 bool read_peer_rows(pid_t pid, uint64_t remote, int64_t stride, int64_t rows, size_t row_bytes, char* local);
+// The same for `rows` rows at the addresses `from` (any order).
+bool read_peer_rows_at(pid_t pid, const uint64_t* from, int64_t rows, size_t row_bytes, char* local);
 
 }  // namespace moekit::ep::detail

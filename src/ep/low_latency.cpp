@@ -27,6 +27,7 @@
 #include <cstring>
 
 #include "ep/buffer_impl.h"
+#include "ep/cma.h"
 #include "moekit/formats.h"
 
 namespace moekit::ep {
@@ -79,7 +80,8 @@ enum LLMeta : int {
   kLLExperts,
   kLLMax,
   kLLFp8,       // 0 bf16; 1 fp8 f32 scales; 2 fp8 packed ue8m0
-  kLLXWhere,    // combine: 1 = own low-latency segment, 2 = heap segment
+  kLLXWhere,    // combine: 1 = own low-latency segment, 2 = heap segment, 3 = private (read
+                // through cma; kLLXOff is then x's address in the sender's process)
   kLLXSeg,
   kLLXOff,
   kLLXStrideE,  // bytes between experts
@@ -92,6 +94,8 @@ enum LLMeta : int {
 static_assert(static_cast<int>(kLLRows) < static_cast<int>(kMetaCount));
 
 constexpr int kTagLLDispatch = 201, kTagLLCombine = 202;
+// Bytes of peers' rows a low-latency receive reads through cma per block of tokens (docs/EP.md).
+constexpr int64_t kLLPullBytes = int64_t{512} << 10;
 
 // A message to a rank of another node: [metadata (the LLMeta record)][top-k ids, i32 T x k]
 // [rows][f32 scales, a row each]. Combine messages carry rows only.
@@ -753,9 +757,19 @@ LowLatencyCombineResult Buffer::low_latency_combine_checked(const LowLatencyComb
       fail(fn, "x", "get_next_low_latency_combine_buffer(handle) with zero_copy", "a tensor outside the buffer");
     // This rank's own rows (its tokens' results from its own experts) are not copied when it
     // reads them before returning (no hook, not asynchronous): the receive takes them from x.
+    // Then, where the node's ranks may read each other's memory, no row is copied: the owners
+    // on this node read theirs from x too, before this call returns (its receive waits for
+    // them), and other nodes get theirs in messages built from x.
     if (own_rows_from_x) own_x = a.x;
+    const bool peers_read_x = own_rows_from_x && m.cma;
+    if (peers_read_x) {
+      meta[kLLXWhere] = 3;
+      meta[kLLXOff] = reinterpret_cast<uint64_t>(a.x.data());
+      meta[kLLXStrideE] = xs_e;
+      meta[kLLXStrideR] = xs_r;
+    }
     const int64_t* own_range = own_rows_from_x ? layout_ranges(m, *state, lr) : nullptr;
-    for (int64_t e = 0; e < local_E; ++e) {
+    for (int64_t e = 0; e < (peers_read_x ? 0 : local_E); ++e) {
       const int64_t range = own_range ? own_range[e * m.num_ranks + m.rank] : 0;
       const int64_t skip_begin = range >> 32, skip_end = skip_begin + (range & 0xffffffff);
       for (int64_t r = 0; r < state->recv_count[static_cast<size_t>(e)]; ++r)
@@ -764,10 +778,12 @@ LowLatencyCombineResult Buffer::low_latency_combine_checked(const LowLatencyComb
                               static_cast<const char*>(a.x.data()) + static_cast<size_t>(e) * xs_e + static_cast<size_t>(r) * xs_r,
                               row_bytes);
     }
-    meta[kLLXWhere] = 1;
-    meta[kLLXOff] = static_cast<uint64_t>(own + L.combine_x - seg->data());
-    meta[kLLXStrideE] = static_cast<uint64_t>(L.slots) * row_bytes;
-    meta[kLLXStrideR] = row_bytes;
+    if (!peers_read_x) {
+      meta[kLLXWhere] = 1;
+      meta[kLLXOff] = static_cast<uint64_t>(own + L.combine_x - seg->data());
+      meta[kLLXStrideE] = static_cast<uint64_t>(L.slots) * row_bytes;
+      meta[kLLXStrideR] = row_bytes;
+    }
   }
   meta[kLLHidden] = static_cast<uint64_t>(H);
   meta[kLLDispatchHalf] = static_cast<uint64_t>(state->half);
@@ -795,6 +811,8 @@ LowLatencyCombineResult Buffer::low_latency_combine_checked(const LowLatencyComb
       // rows begin in each expert, from its layout_range); other node, its message, which holds
       // this rank's rows expert by expert.
       std::vector<const char*> base(static_cast<size_t>(R), nullptr);
+      std::vector<uint64_t> remote(static_cast<size_t>(R), 0);  // x's address in rank d (kLLXWhere 3)
+      bool any_remote = false;
       std::vector<size_t> stride_e(static_cast<size_t>(R)), stride_r(static_cast<size_t>(R));
       const std::vector<int64_t> first_row = message_rows(m, in, topk_idx, T, k, local_E, row_bytes);
       for (int d = 0; d < R; ++d) {
@@ -807,17 +825,30 @@ LowLatencyCombineResult Buffer::low_latency_combine_checked(const LowLatencyComb
           continue;
         }
         const auto& peer = m.peers[static_cast<size_t>(m.local_of(d))];
-        base[static_cast<size_t>(d)] = dm[kLLXWhere] == 1 ? peer.low_latency->data() + dm[kLLXOff]
-                                                            : peer.segments[static_cast<size_t>(dm[kLLXSeg])]->data() + dm[kLLXOff];
+        if (dm[kLLXWhere] == 3) {  // private: read through cma, a block at a time (below); own rows from own_x
+          if (d != me) remote[static_cast<size_t>(d)] = dm[kLLXOff];
+        } else {
+          base[static_cast<size_t>(d)] = dm[kLLXWhere] == 2 ? peer.segments[static_cast<size_t>(dm[kLLXSeg])]->data() + dm[kLLXOff]
+                                                              : peer.low_latency->data() + dm[kLLXOff];
+        }
         stride_e[static_cast<size_t>(d)] = dm[kLLXStrideE];
         stride_r[static_cast<size_t>(d)] = dm[kLLXStrideR];
       }
+      for (int d = 0; d < R; ++d) any_remote = any_remote || remote[static_cast<size_t>(d)] != 0;
       if (own_x.defined() && !m.masked[static_cast<size_t>(me)]) {
         base[static_cast<size_t>(me)] = static_cast<const char*>(own_x.data());
         stride_e[static_cast<size_t>(me)] = static_cast<size_t>(own_x.stride(0)) * 2;
         stride_r[static_cast<size_t>(me)] = static_cast<size_t>(own_x.stride(1)) * 2;
       }
       std::vector<int32_t> seen(static_cast<size_t>(local_E * R), 0);  // this rank's rows per expert so far
+      // Rows of ranks whose x is read through cma: their addresses there and the pointer
+      // each one's copy fills in, per block of tokens.
+      struct Pending {
+        int d;
+        uint64_t from;
+        const uint16_t** to;
+      };
+      std::vector<Pending> pending;
       // Token t's rows and weights, in top-k order; tokens must come in order (seen counts).
       auto gather = [&](int64_t t, std::vector<const uint16_t*>& rows, std::vector<float>& w) {
         int n = 0;
@@ -837,8 +868,10 @@ LowLatencyCombineResult Buffer::low_latency_combine_checked(const LowLatencyComb
             if (index >= (range & 0xffffffff) || begin + index >= L.slots)
               fail(fn, "handle", "a low-latency result at most two dispatches old",
                    "rank " + std::to_string(d) + "'s layout for expert " + std::to_string(e) + " no longer matches");
-            row = base[static_cast<size_t>(d)] + static_cast<size_t>(el) * stride_e[static_cast<size_t>(d)] +
-                  static_cast<size_t>(begin + index) * stride_r[static_cast<size_t>(d)];
+            const size_t at = static_cast<size_t>(el) * stride_e[static_cast<size_t>(d)] +
+                              static_cast<size_t>(begin + index) * stride_r[static_cast<size_t>(d)];
+            if (remote[static_cast<size_t>(d)] != 0) pending.push_back({d, remote[static_cast<size_t>(d)] + at, &rows[static_cast<size_t>(n)]});
+            else row = base[static_cast<size_t>(d)] + at;
           } else {
             row = base[static_cast<size_t>(d)] + static_cast<size_t>(first_row[static_cast<size_t>(e)] + index) * row_bytes;
           }
@@ -848,18 +881,39 @@ LowLatencyCombineResult Buffer::low_latency_combine_checked(const LowLatencyComb
         }
         return n;
       };
-      std::vector<const uint16_t*> rows(static_cast<size_t>(k)), next_rows(static_cast<size_t>(k));
-      std::vector<float> w(static_cast<size_t>(k)), next_w(static_cast<size_t>(k));
-      int n = T > 0 ? gather(0, rows, w) : 0;
-      for (int64_t t = 0; t < T; ++t) {
-        // The next token's rows are elsewhere (other experts, other ranks): requested while
-        // this token is summed (as in the normal combine).
-        const int n_next = t + 1 < T ? gather(t + 1, next_rows, next_w) : 0;
-        detail::reduce_weighted_rows_bf16(result.data_ptr<uint16_t>() + t * result.stride(0), rows.data(), w.data(), n, H,
-                                          detail::RowsAhead{next_rows.data(), n_next});
-        std::swap(rows, next_rows);
-        std::swap(w, next_w);
-        n = n_next;
+      // Tokens a block at a time: every token's rows gathered, the block's rows of private x
+      // read through cma into a scratch that stays in L2 (one call per rank), then summed,
+      // each token's successor's rows requested meanwhile (as in the normal combine). Without
+      // such ranks, one block of all tokens.
+      const int64_t block = any_remote ? std::max<int64_t>(1, kLLPullBytes / (k * static_cast<int64_t>(row_bytes))) : std::max<int64_t>(T, 1);
+      const int64_t block_cap = std::min(block, std::max<int64_t>(T, 1));
+      std::vector<std::vector<const uint16_t*>> rows(static_cast<size_t>(block_cap), std::vector<const uint16_t*>(static_cast<size_t>(k)));
+      std::vector<std::vector<float>> w(static_cast<size_t>(block_cap), std::vector<float>(static_cast<size_t>(k)));
+      std::vector<int> n(static_cast<size_t>(block_cap));
+      static thread_local std::vector<char> scratch;
+      std::vector<uint64_t> from;
+      for (int64_t b0 = 0; b0 < T; b0 += block) {
+        const int64_t count = std::min(block, T - b0);
+        pending.clear();
+        for (int64_t i = 0; i < count; ++i)
+          n[static_cast<size_t>(i)] = gather(b0 + i, rows[static_cast<size_t>(i)], w[static_cast<size_t>(i)]);
+        if (scratch.size() < pending.size() * row_bytes) scratch.resize(pending.size() * row_bytes);
+        size_t slot = 0;
+        for (int d = 0; d < R && !pending.empty(); ++d) {
+          from.clear();
+          const size_t first = slot;
+          for (const Pending& p : pending)
+            if (p.d == d) *p.to = reinterpret_cast<const uint16_t*>(scratch.data() + slot++ * row_bytes), from.push_back(p.from);
+          if (!from.empty() && !read_peer_rows_at(m.peer_pids[static_cast<size_t>(m.local_of(d))], from.data(),
+                                                   static_cast<int64_t>(from.size()), row_bytes, scratch.data() + first * row_bytes))
+            fail(fn, "x", "rank " + std::to_string(d) + "'s x readable through process_vm_readv", std::strerror(errno));
+        }
+        for (int64_t i = 0; i < count; ++i) {
+          const size_t c = static_cast<size_t>(i), nc = c + 1;
+          const bool has_next = i + 1 < count;
+          detail::reduce_weighted_rows_bf16(result.data_ptr<uint16_t>() + (b0 + i) * result.stride(0), rows[c].data(), w[c].data(),
+                                            n[c], H, detail::RowsAhead{has_next ? rows[nc].data() : nullptr, has_next ? n[nc] : 0});
+        }
       }
     } catch (...) {
       // Whatever went wrong here, no expert rank may wait for this one to finish reading.
