@@ -1044,6 +1044,36 @@ TEST(EpIntranode, CombineSumsEveryReceiver) {
   }
 }
 
+// Combine's hidden size comes from its own x, and may be 0: an empty [T, 0] result and the
+// weights still summed, whether rows are staged or read from the peers' memory (a division
+// by the row size had crashed the latter).
+TEST(EpIntranode, CombineOfZeroHidden) {
+  const int me = my_rank();
+  const World w = make_world(spec(256, 4, 6, tokens_per_rank([](int i) { return 20 + 3 * i; }), 601));
+  const Expected ex = expect_for(w);
+  BufferGuard buf = make_buffer();
+  const Payload pl = make_payload(make_x(Data::random, 601, me, w.T(me), w.H), false);
+  const RoutingTensors rt = routing_of(w, ex);
+  DispatchResult res;
+  if (!collective_step("dispatch", [&] { res = buf->dispatch(fresh_args(pl, rt, true, 1, std::nullopt, false)); })) return;
+  Tensor yw = Tensor::empty({res.recv_x.size(0), w.k}, DType::f32);
+  for (int64_t i = 0; i < yw.numel(); ++i) yw.data_ptr<float>()[i] = 1.0f;
+  CombineArgs ca;
+  ca.x = Tensor::empty({res.recv_x.size(0), 0}, DType::bf16);
+  ca.handle = res.handle;
+  ca.topk_weights = yw;
+  CombineResult comb;
+  if (!collective_step("combine", [&] { comb = buf->combine(ca); })) return;
+  EXPECT_EQ(comb.combined_x.shape(), (Shape{w.T(me), 0}));
+  ASSERT_EQ(comb.combined_topk_weights.shape(), (Shape{w.T(me), w.k}));
+  for (int64_t t = 0; t < w.T(me); ++t) {
+    int receivers = 0;
+    for (int r = 0; r < w.R; ++r) receivers += w.sends(me, t, r) ? 1 : 0;
+    for (int j = 0; j < w.k; ++j)
+      EXPECT_EQ(comb.combined_topk_weights.data_ptr<float>()[t * w.k + j], static_cast<float>(receivers)) << "token " << t;
+  }
+}
+
 // ------------------------------------------------------------------ tests: worst case, cross-check, determinism
 
 TEST(EpIntranode, NumWorstTokens) {

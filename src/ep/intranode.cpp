@@ -1,6 +1,7 @@
 // Normal dispatch and combine between the ranks of one node (protocol: buffer.cpp).
 #include <algorithm>
 #include <cstring>
+#include <exception>
 
 #include "ep/buffer_impl.h"
 #include "ep/cma.h"
@@ -283,13 +284,18 @@ CombineResult Buffer::combine(const CombineArgs& a) {
     // x instead of the peer's copy into shared memory and this rank's read of it.
     std::vector<int> pulled;
     for (int d = 0; d < R; ++d)
-      if (m.cma && d != me && !direct[static_cast<size_t>(d)] && hs.count(me, d) > 0) pulled.push_back(d);
+      if (m.cma && d != me && !direct[static_cast<size_t>(d)] && hs.count(me, d) > 0 && row_bytes > 0) pulled.push_back(d);
     const int64_t block = pulled.empty() ? std::max<int64_t>(hs.tokens, 1)
                                          : std::max<int64_t>(1, kPullBytes / (static_cast<int64_t>(pulled.size()) * static_cast<int64_t>(row_bytes)));
     std::atomic<int> failed_peer{-1};
     std::atomic<int> failed_errno{0};
+    // (No exception may leave the OpenMP region: the first one is kept and rethrown after
+    // round 3, so that no peer is left waiting for this rank.)
+    std::exception_ptr thrown;
+    std::atomic_flag caught = ATOMIC_FLAG_INIT;
     const int32_t* head = hs.send_head.data_ptr<int32_t>();
     parallel_chunks(threads, hs.tokens, [&](int64_t t0, int64_t t1) {
+     try {
       // Rows [first[i], first[i] + rows[i]) of the run pulled[i] holds for this rank, in the
       // scratch from row offset at[i].
       static thread_local std::vector<char> scratch;
@@ -314,8 +320,9 @@ CombineResult Buffer::combine(const CombineArgs& a) {
           const uint64_t from = dm[kXAddr] + static_cast<uint64_t>((hs.recv_before(me, d) + first[i]) * stride);
           if (!read_peer_rows(m.peer_pids[static_cast<size_t>(d)], from, stride, rows[i], row_bytes,
                               scratch.data() + static_cast<size_t>(at[i]) * row_bytes)) {
+            const int error = errno;
             int none = -1;
-            if (failed_peer.compare_exchange_strong(none, d)) failed_errno = errno;
+            if (failed_peer.compare_exchange_strong(none, d)) failed_errno = error;
             std::memset(scratch.data() + static_cast<size_t>(at[i]) * row_bytes, 0, static_cast<size_t>(rows[i]) * row_bytes);
           }
         }
@@ -368,12 +375,16 @@ CombineResult Buffer::combine(const CombineArgs& a) {
         }
       }
       detail::stream_fence();
+     } catch (...) {
+      if (!caught.test_and_set()) thrown = std::current_exception();
+     }
     });
     // Round 3: owners are done reading; x offered in place (or read through cma) may be
     // released.
     m.signal_all(kPhaseRead);
     m.wait_done(kCombine, kPhaseRead);
     m.finish_op_segments();
+    if (thrown) std::rethrow_exception(thrown);
     if (failed_peer >= 0)
       fail(kCombine, "x", "rank " + std::to_string(failed_peer.load()) + "'s x readable through process_vm_readv",
            std::strerror(failed_errno.load()));

@@ -741,6 +741,7 @@ LowLatencyCombineResult Buffer::low_latency_combine_checked(const LowLatencyComb
   const int heap_seg = m.heap->find(a.x.data(), span, heap_off);
   const bool own_rows_from_x = !a.return_recv_hook && !ll_async(m, a.async_finish);
   Tensor own_x;  // x in private memory, which the receive reads in place for this rank's own rows
+  bool peers_read_x = false;  // private x that this node's owners read through cma
   if (seg->contains(a.x.data(), span)) {  // e.g. get_next_low_latency_combine_buffer
     meta[kLLXWhere] = 1;
     meta[kLLXOff] = static_cast<uint64_t>(static_cast<const char*>(a.x.data()) - seg->data());
@@ -761,7 +762,7 @@ LowLatencyCombineResult Buffer::low_latency_combine_checked(const LowLatencyComb
     // on this node read theirs from x too, before this call returns (its receive waits for
     // them), and other nodes get theirs in messages built from x.
     if (own_rows_from_x) own_x = a.x;
-    const bool peers_read_x = own_rows_from_x && m.cma;
+    peers_read_x = own_rows_from_x && m.cma;
     if (peers_read_x) {
       meta[kLLXWhere] = 3;
       meta[kLLXOff] = reinterpret_cast<uint64_t>(a.x.data());
@@ -790,12 +791,28 @@ LowLatencyCombineResult Buffer::low_latency_combine_checked(const LowLatencyComb
   meta[kLLError] = 0;
   detail::stream_fence();
   m.ll_offered(lr).store(call, std::memory_order_release);
-  if (m.num_nodes() > 1) post_combine_messages(m, *state, a.x, call);
+  // x read in place by this node's owners (peers_read_x) must outlive their reads, also when
+  // this call fails after offering it: then wait for them (as long as the timeout allows)
+  // before the error goes to the caller, who may free x.
+  auto wait_for_readers = [&m, fn, call, lr] {
+    try {
+      m.wait_unmasked(fn, [&](int p) { return m.ll_read(lr, p).load(std::memory_order_acquire) >= call; });
+    } catch (...) {
+    }
+  };
+  if (m.num_nodes() > 1) {
+    try {
+      post_combine_messages(m, *state, a.x, call);
+    } catch (...) {
+      if (peers_read_x) wait_for_readers();
+      throw;
+    }
+  }
 
   LowLatencyCombineResult out;
   out.combined_x = a.out.defined() ? a.out : Tensor::from_blob_with_owner(own + L.combine_out, {T, H}, DType::bf16, seg);
   Tensor result = out.combined_x, topk_idx = a.topk_idx, weights = a.topk_weights;
-  auto receive = [&m, state, result, topk_idx, weights, fn, call, half, own_x] {
+  auto receive = [&m, state, result, topk_idx, weights, fn, call, half, own_x, peers_read_x, wait_for_readers] {
     const int R = m.num_ranks, me = m.rank, lr = m.local_rank;
     const LLLayout& L = state->layout;
     const int64_t T = state->tokens, k = state->topk, H = L.hidden, local_E = L.local_experts;
@@ -885,7 +902,8 @@ LowLatencyCombineResult Buffer::low_latency_combine_checked(const LowLatencyComb
       // read through cma into a scratch that stays in L2 (one call per rank), then summed,
       // each token's successor's rows requested meanwhile (as in the normal combine). Without
       // such ranks, one block of all tokens.
-      const int64_t block = any_remote ? std::max<int64_t>(1, kLLPullBytes / (k * static_cast<int64_t>(row_bytes))) : std::max<int64_t>(T, 1);
+      const int64_t block = any_remote ? std::max<int64_t>(1, kLLPullBytes / std::max<int64_t>(1, k * static_cast<int64_t>(row_bytes)))
+                                       : std::max<int64_t>(T, 1);
       const int64_t block_cap = std::min(block, std::max<int64_t>(T, 1));
       std::vector<std::vector<const uint16_t*>> rows(static_cast<size_t>(block_cap), std::vector<const uint16_t*>(static_cast<size_t>(k)));
       std::vector<std::vector<float>> w(static_cast<size_t>(block_cap), std::vector<float>(static_cast<size_t>(k)));
@@ -905,8 +923,10 @@ LowLatencyCombineResult Buffer::low_latency_combine_checked(const LowLatencyComb
           for (const Pending& p : pending)
             if (p.d == d) *p.to = reinterpret_cast<const uint16_t*>(scratch.data() + slot++ * row_bytes), from.push_back(p.from);
           if (!from.empty() && !read_peer_rows_at(m.peer_pids[static_cast<size_t>(m.local_of(d))], from.data(),
-                                                   static_cast<int64_t>(from.size()), row_bytes, scratch.data() + first * row_bytes))
-            fail(fn, "x", "rank " + std::to_string(d) + "'s x readable through process_vm_readv", std::strerror(errno));
+                                                   static_cast<int64_t>(from.size()), row_bytes, scratch.data() + first * row_bytes)) {
+            const int error = errno;
+            fail(fn, "x", "rank " + std::to_string(d) + "'s x readable through process_vm_readv", std::strerror(error));
+          }
         }
         for (int64_t i = 0; i < count; ++i) {
           const size_t c = static_cast<size_t>(i), nc = c + 1;
@@ -916,8 +936,10 @@ LowLatencyCombineResult Buffer::low_latency_combine_checked(const LowLatencyComb
         }
       }
     } catch (...) {
-      // Whatever went wrong here, no expert rank may wait for this one to finish reading.
+      // Whatever went wrong here, no expert rank may wait for this one to finish reading,
+      // and this rank's x, if read in place, must outlive the owners' reads.
       release_readers();
+      if (peers_read_x) wait_for_readers();
       throw;
     }
     release_readers();
