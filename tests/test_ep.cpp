@@ -855,6 +855,16 @@ TEST(EpBuffer, RanksConfigAndLifecycle) {
     EXPECT_GE(large, small);
   }
 
+  // MOEKIT_EP_CMA takes 0 or 1 only: anything else is an error on every rank, before any
+  // communication (every rank reads the same environment here).
+  {
+    const std::string saved = cma != nullptr ? cma : "";
+    ::setenv("MOEKIT_EP_CMA", "2", 1);
+    EXPECT_EP_ERROR(make_buffer());
+    if (cma != nullptr) ::setenv("MOEKIT_EP_CMA", saved.c_str(), 1);
+    else ::unsetenv("MOEKIT_EP_CMA");
+  }
+
   // Explicit options win over the environment.
   BufferOptions o;
   o.timeout_s = 7.5;

@@ -1,14 +1,17 @@
 // The EP reduction kernels: every ISA path bit-identical to the portable one, and the
 // portable one equal to the plain f32 expression it documents (NaN, ±inf, -0, ties).
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <bit>
 #include <cmath>
+#include <cerrno>
 #include <cstring>
 #include <limits>
 #include <random>
 #include <vector>
 
+#include "ep/cma.h"
 #include "ep/copy.h"
 #include "moekit/formats.h"
 #include "moekit/runtime.h"
@@ -138,6 +141,45 @@ TEST(EpKernels, StreamCopyCopiesEveryByte) {
           ASSERT_EQ(dst[off - 1], 0xAB) << name;
         }
       }
+}
+
+// The cross-memory-attach reader, on this process's own memory (process_vm_readv may read
+// its caller): contiguous and strided rows, rows by address in any order, and a fault
+// (unmapped address) reported as false with errno set, never a crash. Skipped where the
+// kernel refuses the call altogether (seccomp).
+TEST(EpKernels, ReadPeerRowsCopiesRowsAndReportsFaults) {
+  using moekit::ep::detail::read_peer_rows;
+  using moekit::ep::detail::read_peer_rows_at;
+  std::vector<char> src(64 * 1000);
+  std::mt19937 gen(71);  // (no period: rows at any distance differ)
+  for (char& c : src) c = static_cast<char>(gen());
+  const pid_t me = ::getpid();
+  const auto base = reinterpret_cast<uint64_t>(src.data());
+  char probe = 0;
+  if (!read_peer_rows(me, base, 1, 1, 1, &probe) && (errno == ENOSYS || errno == EPERM)) GTEST_SKIP() << "process_vm_readv refused";
+  const size_t row = 100;
+  for (const int64_t stride : {int64_t{100}, int64_t{160}, int64_t{6400}}) {
+    const int64_t rows = static_cast<int64_t>((src.size() - row) / static_cast<size_t>(stride)) + 1;
+    std::vector<char> got(static_cast<size_t>(rows) * row, 0);
+    ASSERT_TRUE(read_peer_rows(me, base + 3, stride, rows - 1, row, got.data())) << "stride " << stride;
+    for (int64_t r = 0; r + 1 < rows; ++r)
+      ASSERT_EQ(std::memcmp(got.data() + r * static_cast<int64_t>(row), src.data() + 3 + r * stride, row), 0)
+          << "stride " << stride << ", row " << r;
+  }
+  // More rows than one call's iovec limit, in reverse order.
+  std::vector<uint64_t> from(1500);
+  for (size_t r = 0; r < from.size(); ++r) from[r] = base + (from.size() - 1 - r) * 40;
+  std::vector<char> got(from.size() * 8);
+  ASSERT_TRUE(read_peer_rows_at(me, from.data(), static_cast<int64_t>(from.size()), 8, got.data()));
+  for (size_t r = 0; r < from.size(); ++r) ASSERT_EQ(std::memcmp(got.data() + r * 8, src.data() + (from.size() - 1 - r) * 40, 8), 0) << r;
+  // A row at an address nothing maps, after good ones: false and an errno, contiguous or not.
+  errno = 0;
+  EXPECT_FALSE(read_peer_rows(me, 8, 64, 1, 64, got.data()));
+  EXPECT_NE(errno, 0);
+  from[700] = 8;
+  errno = 0;
+  EXPECT_FALSE(read_peer_rows_at(me, from.data(), static_cast<int64_t>(from.size()), 8, got.data()));
+  EXPECT_NE(errno, 0);
 }
 
 }  // namespace

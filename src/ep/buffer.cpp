@@ -41,7 +41,6 @@ bool probe_cross_memory_attach(Buffer::Impl& m, bool wanted) {
   }
   int all_ok = 0;
   MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, m.comm);  // (the peers' words live until here)
-  (void)word;
   return all_ok != 0;
 }
 }  // namespace

@@ -287,10 +287,8 @@ CombineResult Buffer::combine(const CombineArgs& a) {
       if (m.cma && d != me && !direct[static_cast<size_t>(d)] && hs.count(me, d) > 0 && row_bytes > 0) pulled.push_back(d);
     const int64_t block = pulled.empty() ? std::max<int64_t>(hs.tokens, 1)
                                          : std::max<int64_t>(1, kPullBytes / (static_cast<int64_t>(pulled.size()) * static_cast<int64_t>(row_bytes)));
-    std::atomic<int> failed_peer{-1};
-    std::atomic<int> failed_errno{0};
-    // (No exception may leave the OpenMP region: the first one is kept and rethrown after
-    // round 3, so that no peer is left waiting for this rank.)
+    // (No exception may leave the OpenMP region, a failed read among them: the first one is
+    // kept and rethrown after round 3, so that no peer is left waiting for this rank.)
     std::exception_ptr thrown;
     std::atomic_flag caught = ATOMIC_FLAG_INIT;
     const int32_t* head = hs.send_head.data_ptr<int32_t>();
@@ -321,9 +319,7 @@ CombineResult Buffer::combine(const CombineArgs& a) {
           if (!read_peer_rows(m.peer_pids[static_cast<size_t>(d)], from, stride, rows[i], row_bytes,
                               scratch.data() + static_cast<size_t>(at[i]) * row_bytes)) {
             const int error = errno;
-            int none = -1;
-            if (failed_peer.compare_exchange_strong(none, d)) failed_errno = error;
-            std::memset(scratch.data() + static_cast<size_t>(at[i]) * row_bytes, 0, static_cast<size_t>(rows[i]) * row_bytes);
+            fail(kCombine, "x", "rank " + std::to_string(d) + "'s x readable through process_vm_readv", std::strerror(error));
           }
         }
       };
@@ -385,9 +381,6 @@ CombineResult Buffer::combine(const CombineArgs& a) {
     m.wait_done(kCombine, kPhaseRead);
     m.finish_op_segments();
     if (thrown) std::rethrow_exception(thrown);
-    if (failed_peer >= 0)
-      fail(kCombine, "x", "rank " + std::to_string(failed_peer.load()) + "'s x readable through process_vm_readv",
-           std::strerror(failed_errno.load()));
   });
   return out;
 }
