@@ -2,8 +2,11 @@
 // wrong ones), granularities, scale dtypes and shapes, strides, payload bytes (every e4m3 /
 // e2m1 code, NaN and ue8m0 255 included) and C / in-place C go through the public API.
 // Every call must either succeed or throw moekit::Error (never crash or write out of
-// bounds: run with sanitizers); successful calls must agree bit for bit across ISA paths
-// and match the f64 oracle on the same inputs (NaN where the oracle has NaN).
+// bounds: run with sanitizers); successful calls must agree bit for bit across the FMA-class
+// ISA paths (scalar, avx2, avx512) and match the f64 oracle on the same inputs (NaN where the
+// oracle has NaN). The avx512_bf16 and amx paths, an accuracy class of their own
+// (docs/GEMM.md), must accept and reject the same calls and match the oracle likewise, also
+// with pre-packed weights.
 //
 // libFuzzer with -DMOEKIT_FUZZ=ON (clang); otherwise a pseudo-random smoke driver
 // (ctest: fuzz_gemm_smoke).
@@ -121,7 +124,7 @@ void run_one(Reader& in) {
     call(want, c_for_want);
   } catch (const moekit::Error&) {
     // Rejected input: every other path must reject it too.
-    for (Isa isa : {Isa::avx2, Isa::avx512}) {
+    for (Isa isa : {Isa::avx2, Isa::avx512, Isa::avx512_bf16, Isa::amx}) {
       if (!isa_supported(isa)) continue;
       ScopedIsa scoped(isa);
       bool threw = false;
@@ -147,6 +150,16 @@ void run_one(Reader& in) {
       if (std::isnan(x[i]) != std::isnan(y[i])) fail("NaN positions differ between ISA paths");
       if (!std::isnan(x[i]) && std::memcmp(&x[i], &y[i], sizeof(double)) != 0) fail("an ISA path differs from the portable path");
     }
+  }
+  // The paths of their own accuracy class: checked against the oracle below.
+  std::vector<std::pair<const char*, std::vector<double>>> own_class;
+  for (Isa isa : {Isa::avx512_bf16, Isa::amx}) {
+    if (!isa_supported(isa)) continue;
+    ScopedIsa scoped(isa);
+    Tensor got = Tensor::empty({m, n}, out);
+    if (c_mode == 2) got.copy_from(c0);
+    call(got, c_mode == 2 ? got : c);
+    own_class.emplace_back(isa_name(isa), ref::to_f64(got));
   }
   // Pre-packed weights (A [M, K] layouts): the unpacked call's bits wherever that one packs
   // B too (not its small-M streaming path); NaN positions always agree with it. A packed call
@@ -180,6 +193,20 @@ void run_one(Reader& in) {
         if (ref::calc_diff(px, py) > 1e-5) fail("a packed call differs from the unpacked call (calc_diff > 1e-5)");
       }
     }
+    for (Isa isa : {Isa::avx512_bf16, Isa::amx}) {
+      if (!isa_supported(isa)) continue;
+      ScopedIsa scoped(isa);
+      Tensor got = Tensor::empty({m, n}, out);
+      if (c_mode == 2) got.copy_from(c0);
+      try {
+        if (kind == 0) bf16_gemm_packed(av, pack_bf16_weights(bv, b_k), got, c_mode == 2 ? got : c);
+        else fp8_fp4_gemm_packed(qa, pack_fp8_fp4_weights(qb, b_k, o), got, c_mode == 2 ? got : c, o);
+      } catch (const moekit::Error&) {
+        if (!odd_fp4) fail("a packed call rejected what the unpacked call accepted");
+        continue;
+      }
+      own_class.emplace_back(isa == Isa::amx ? "amx packed" : "avx512_bf16 packed", ref::to_f64(got));
+    }
   }
   // The oracle on the same stored inputs.
   ref::Operand ra{av, qa.sf, 1, gk_a}, rb{bv, qb.sf, gmn_b, gk_b};
@@ -196,6 +223,20 @@ void run_one(Reader& in) {
     if (!std::isnan(oracle[i])) gx.push_back(got[i]), ox.push_back(oracle[i]);
   }
   if (ref::calc_diff(gx, ox) > 1e-5) fail("result differs from the oracle (calc_diff > 1e-5)");
+  for (const auto& [path, x] : own_class) {
+    std::vector<double> px, po;
+    for (size_t i = 0; i < x.size(); ++i) {
+      if (std::isnan(oracle[i]) != std::isnan(x[i])) {
+        std::fprintf(stderr, "path %s, element %zu\n", path, i);
+        fail("NaN positions differ from the oracle");
+      }
+      if (!std::isnan(oracle[i])) px.push_back(x[i]), po.push_back(oracle[i]);
+    }
+    if (ref::calc_diff(px, po) > 1e-5) {
+      std::fprintf(stderr, "path %s: calc_diff %g\n", path, ref::calc_diff(px, po));
+      fail("result differs from the oracle (calc_diff > 1e-5)");
+    }
+  }
   ++g_accepted;
 }
 

@@ -690,6 +690,9 @@ TEST(EpLowLatency, SizeHintAndMaskBuffer) {
   EXPECT_EP_ERROR(get_low_latency_rdma_size_hint(0, 384, R, 4 * R));
   EXPECT_EP_ERROR(get_low_latency_rdma_size_hint(16, 0, R, 4 * R));
   EXPECT_EP_ERROR(get_low_latency_rdma_size_hint(16, 384, R, 0));
+  // Sizes whose layout arithmetic would overflow (and wrap to a small hint).
+  EXPECT_EP_ERROR(get_low_latency_rdma_size_hint(int64_t{1} << 61, 128, R, 4 * R));
+  EXPECT_EP_ERROR(get_low_latency_rdma_size_hint(16, int64_t{1} << 58, R, 4 * R));
   if (R > 1) EXPECT_EP_ERROR(get_low_latency_rdma_size_hint(16, 384, R, 4 * R + 1));
 
   BufferGuard buf = make_ll_buffer(hint);
@@ -1359,6 +1362,10 @@ TEST(EpLowLatency, BadArgumentsRaiseOnEveryRank) {
     LowLatencyDispatchArgs a = good();
     a.cumulative_local_expert_recv_stats = Tensor::zeros({w.El + 1}, DType::i32);
     EXPECT_EP_ERROR(buf->low_latency_dispatch(a));
+    // [1, local_E] holds local_E elements, but its experts lie a row apart (written out of
+    // bounds before 2026-12-03).
+    a.cumulative_local_expert_recv_stats = Tensor::zeros({1, w.El}, DType::i32);
+    EXPECT_EP_ERROR(buf->low_latency_dispatch(a));
   }
 
   // A good dispatch, then bad combines.
@@ -1391,6 +1398,14 @@ TEST(EpLowLatency, BadArgumentsRaiseOnEveryRank) {
     a.zero_copy = true;
     EXPECT_EP_ERROR(buf->low_latency_combine(a));
   }
+  for (int64_t bad : {int64_t{w.E}, int64_t{-2}, int64_t{1} << 40}) {
+    SCOPED_TRACE("combine: expert id " + std::to_string(bad) + " in topk_idx");
+    LowLatencyCombineArgs a = combine_args(w, r, y, Completion::sync);
+    std::vector<int64_t> idx = w.topk[static_cast<size_t>(me)];
+    idx[idx.size() / 2] = bad;
+    a.topk_idx = tensor_of(idx, {T, w.k}, DType::i64);
+    EXPECT_EP_ERROR(buf->low_latency_combine(a));
+  }
   {
     SCOPED_TRACE("combine: empty handle");
     LowLatencyCombineArgs a = combine_args(w, r, y, Completion::sync);
@@ -1403,6 +1418,20 @@ TEST(EpLowLatency, BadArgumentsRaiseOnEveryRank) {
     BufferGuard other = make_ll_buffer(w.hint(), o);
     EXPECT_EP_ERROR(other->low_latency_combine(combine_args(w, r, y, Completion::sync)));
     EXPECT_EP_ERROR(other->get_next_low_latency_combine_buffer(r.handle));
+  }
+  {
+    SCOPED_TRACE("the next combine buffer and a receive hook after destroy()");
+    BufferGuard gone = make_ll_buffer(w.hint(), o);
+    LowLatencyDispatchArgs a = good();
+    a.return_recv_hook = true;
+    LowLatencyDispatchResult h;
+    if (!collective_step("dispatch with a hook", [&] { h = gone->low_latency_dispatch(a); })) return;
+    gone->destroy();
+    EXPECT_EP_ERROR(gone->get_next_low_latency_combine_buffer(h.handle));
+    try {  // an Error or nothing (a receive that already ran); never a crash
+      if (h.hook) h.hook();
+    } catch (const moekit::Error&) {
+    }
   }
   // The buffer still works, for more rounds than its two halves.
   for (int round = 0; round < 3; ++round) {
@@ -1465,6 +1494,24 @@ TEST(EpLowLatency, BadInputOnOneRankRaisesOnEveryRank) {
     write_expert_outputs(y, r, w, Fmt::fp8, Expert::scaled);
     LowLatencyCombineArgs a = combine_args(w, r, y, Completion::sync);
     if (me == 0) a.topk_weights = Tensor::zeros({w.T(me), w.k + 1}, DType::f32);
+    (void)run_combine(*buf, a, Completion::sync);
+  });
+  expect_all_raise("combine: an expert id out of range on one rank", 0, [&] {
+    Tensor y = Tensor::empty({w.El, w.slots(), w.H}, DType::bf16);
+    write_expert_outputs(y, r, w, Fmt::fp8, Expert::scaled);
+    LowLatencyCombineArgs a = combine_args(w, r, y, Completion::sync);
+    if (me == 0) {
+      std::vector<int64_t> idx = w.topk[0];
+      idx[0] = w.E + 100000;
+      a.topk_idx = tensor_of(idx, {w.T(0), w.k}, DType::i64);
+    }
+    (void)run_combine(*buf, a, Completion::sync);
+  });
+  expect_all_raise("combine: zero_copy with x in private memory on one rank", 0, [&] {
+    Tensor y = me == 0 ? Tensor::empty({w.El, w.slots(), w.H}, DType::bf16) : buf->get_next_low_latency_combine_buffer(r.handle);
+    write_expert_outputs(y, r, w, Fmt::fp8, Expert::scaled);
+    LowLatencyCombineArgs a = combine_args(w, r, y, Completion::sync);
+    a.zero_copy = true;
     (void)run_combine(*buf, a, Completion::sync);
   });
   expect_all_raise("dispatch: use_fp8 on rank 0 only", -1, [&] {

@@ -362,6 +362,83 @@ TEST(Grouped, KGrouped) {
                           "b.sf");
 }
 
+// Review findings (2026-12-03): every argument is checked before any group runs, also when
+// no group has rows, so a rejected call writes nothing.
+bool all_sentinel(const Tensor& d) {
+  for (int64_t i = 0; i < d.numel(); ++i)
+    if (d.data_ptr<float>()[i] != kSentinel) return false;
+  return true;
+}
+
+TEST(Grouped, ArgumentsCheckedBeforeAnyGroupRuns) {
+  AlignmentGuard guard;
+  set_mk_alignment_for_contiguous_layout(4);
+  // K of a (64) against b (128), with no group holding a row.
+  const Tensor a = random_bf16({8, 64}, 31), b = random_bf16({2, 16, 128}, 32);
+  Tensor d = filled({8, 16}, DType::f32);
+  EXPECT_MOEKIT_ERROR_ARG(m_grouped_bf16_gemm_nt_contiguous(a, b, d, i32({-1, -1, -1, -1, -1, -1, -1, -1})), "b (group 0)");
+  EXPECT_MOEKIT_ERROR_ARG(m_grouped_bf16_gemm_nt_contiguous(a, b, d, i32({0, 0}), true), "b (group 0)");
+  Tensor dm = filled({2, 4, 16}, DType::f32);
+  EXPECT_MOEKIT_ERROR_ARG(m_grouped_bf16_gemm_nt_masked(random_bf16({2, 4, 64}, 33), b, dm, i32({0, 0}), 0), "b (group 0)");
+  const std::vector<PackedWeights> pw = pack_bf16_weights_grouped(b);
+  EXPECT_MOEKIT_ERROR_ARG(m_grouped_bf16_gemm_packed_masked(random_bf16({2, 4, 64}, 34), pw, dm, i32({0, 0}), 0), "b (group 0)");
+  // FP8 weight scales of the wrong shape, no rows.
+  const Quantized qa = per_token_cast_to_fp8(random_bf16({8, 128}, 35), false);
+  const Weights w = make_weights(Kind::fp8, 2, 16, 128, 36);
+  EXPECT_MOEKIT_ERROR_ARG(m_grouped_fp8_gemm_nt_contiguous(qa, {w.q.values, Tensor::zeros({2, 5, 7}, DType::f32)}, d,
+                                                           i32({-1, -1, -1, -1, -1, -1, -1, -1})),
+                          "b.sf (group 0)");
+  // Masked activation scales with fewer rows than a: group 0 (1 row) would have run first.
+  const Quantized qm{qa.values.reshape({2, 4, 128}), Tensor::zeros({2, 2, 1}, DType::f32)};
+  EXPECT_MOEKIT_ERROR_ARG(m_grouped_fp8_gemm_nt_masked(qm, w.q, dm, i32({1, 3}), 1), "a.sf");
+  EXPECT_MOEKIT_ERROR_ARG(m_grouped_fp8_fp4_gemm_packed_masked(qm, pack_fp8_fp4_weights_grouped(w.q), dm, i32({1, 3}), 1), "a.sf");
+  // Experts packed from different formats: A's recipe would change between groups.
+  const std::vector<PackedWeights> mixed{pack_fp8_fp4_weights(per_block_cast_to_fp8(random_bf16({16, 128}, 37), false)),
+                                         pack_fp8_fp4_weights(per_token_cast_to_fp4(random_bf16({16, 128}, 38), true, 32))};
+  EXPECT_MOEKIT_ERROR_ARG(m_grouped_fp8_fp4_gemm_packed_contiguous(qa, mixed, d, i32({0, 0, 0, 0, 1, 1, 1, 1})), "b[1]");
+  // k-grouped: sizes whose sum overflows int64 and wraps to a's rows.
+  const Tensor ka = random_bf16({4, 8}, 39), kb = random_bf16({4, 16}, 40);
+  Tensor kd = filled({4, 8, 16}, DType::f32);
+  EXPECT_MOEKIT_ERROR_ARG(k_grouped_bf16_gemm_tn_contiguous(ka, kb, kd, {2, INT64_MAX - 2, INT64_MAX, 6}), "ks");
+  EXPECT_TRUE(all_sentinel(d));
+  EXPECT_TRUE(all_sentinel(dm));
+  EXPECT_TRUE(all_sentinel(kd));
+}
+
+TEST(Grouped, KGroupedCMustBeDOrApart) {
+  const Tensor a = random_bf16({32, 4}, 41), b = random_bf16({32, 8}, 42);
+  Tensor s = filled({3, 4, 8}, DType::f32);
+  // D one group ahead of C: group 1 would read a C that group 0 had overwritten.
+  EXPECT_MOEKIT_ERROR_ARG(k_grouped_bf16_gemm_tn_contiguous(a, b, s.slice(0, 1, 3), {16, 16}, s.slice(0, 0, 2)), "c");
+  EXPECT_TRUE(all_sentinel(s));
+  // The dense call too: C one row apart from D.
+  Tensor m = filled({5, 8}, DType::f32);
+  EXPECT_MOEKIT_ERROR_ARG(bf16_gemm_tn(random_bf16({16, 4}, 43), random_bf16({16, 8}, 44), m.slice(0, 1, 5), m.slice(0, 0, 4)), "c");
+}
+
+TEST(Grouped, KGroupOfZeroCopiesCExactly) {
+  const Tensor a = random_bf16({16, 4}, 45), b = random_bf16({16, 8}, 46);
+  Tensor c = filled({2, 4, 8}, DType::f32), d = filled({2, 4, 8}, DType::f32);
+  for (int64_t i = 0; i < c.numel(); i += 3) c.data_ptr<float>()[i] = -0.0f;
+  k_grouped_bf16_gemm_tn_contiguous(a, b, d, {0, 16}, c);
+  EXPECT_EQ(std::memcmp(d.data(), c.data(), 4 * 32), 0);  // group 0: C's bits, -0.0 included
+}
+
+TEST(Grouped, ScalesOfAnyStrides) {
+  // Upstream's MN-major scales: a.sf stored [K / 128, M] and passed transposed, as the dense call takes them.
+  AlignmentGuard guard;
+  set_mk_alignment_for_contiguous_layout(4);
+  const Quantized qa = per_token_cast_to_fp8(random_bf16({8, 256}, 47), false);
+  Tensor sf_t = Tensor::empty({2, 8}, DType::f32);
+  sf_t.copy_from(qa.sf.t());
+  const Weights w = make_weights(Kind::fp8, 2, 16, 256, 48);
+  const Tensor layout = i32({0, 0, 0, 0, 1, 1, 1, 1});
+  Tensor want = filled({8, 16}, DType::f32), got = filled({8, 16}, DType::f32);
+  m_grouped_fp8_gemm_nt_contiguous(qa, w.q, want, layout);
+  m_grouped_fp8_gemm_nt_contiguous({qa.values, sf_t.t()}, w.q, got, layout);
+  EXPECT_EQ(std::memcmp(want.data(), got.data(), 4 * 128), 0);
+}
+
 TEST(Grouped, BadInputRaisesNamedErrors) {
   AlignmentGuard guard;
   set_mk_alignment_for_contiguous_layout(4);

@@ -203,6 +203,7 @@ void Buffer::destroy() {
     }
   }
   m.available = false;
+  m.live->store(false);
   // No rank unmaps while another may still write into its memory.
   std::string error;
   try {

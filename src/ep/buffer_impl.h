@@ -267,6 +267,8 @@ struct Buffer::Impl {
   int num_nodes() const { return num_ranks / ranks_per_node; }
   int64_t num_nvl_bytes = 0;
   bool available = true;
+  // False once destroyed: shared with receive hooks, which may outlive the buffer.
+  std::shared_ptr<std::atomic<bool>> live = std::make_shared<std::atomic<bool>>(true);
   std::atomic<bool> broken{false};
   uint64_t op = 0;
   std::shared_future<void> pending;

@@ -287,8 +287,10 @@ void schedule_receive(Buffer::Impl& m, bool async_finish, bool hook, std::functi
   } else {
     auto deferred = std::make_shared<LLHook>();
     deferred->body = std::move(receive);
-    out.hook = [deferred] {
+    out.hook = [deferred, live = m.live] {
       if (deferred->done) return;
+      // (The receive refers to the buffer, which destroy() or ~Buffer has taken down.)
+      if (!live->load()) fail("ep::Buffer low-latency receive hook", "buffer", "a live buffer", "a destroyed buffer");
       deferred->done = true;
       deferred->body();
     };
@@ -453,6 +455,14 @@ int64_t get_low_latency_rdma_size_hint(int64_t num_max_dispatch_tokens_per_rank,
   if (hidden <= 0) fail(fn, "hidden", "> 0", std::to_string(hidden));
   if (num_ranks <= 0 || num_experts <= 0 || num_experts % num_ranks != 0)
     fail(fn, "num_experts", "a positive multiple of num_ranks", std::to_string(num_experts) + " for " + std::to_string(num_ranks) + " ranks");
+  // An upper bound of LLLayout's arithmetic, in long double: sizes that would overflow it
+  // (and wrap to a small hint) are refused instead.
+  const long double rows = static_cast<long double>(num_max_dispatch_tokens_per_rank) * num_ranks;
+  const long double row_bytes = 4.0L * hidden + 8.0L * ceil_div(hidden, 128) + 4.0L * kMaxTopk + 64;
+  if (rows * (num_experts / num_ranks + 1) * row_bytes + 8.0L * num_experts > 0x1p60L)
+    fail(fn, "num_max_dispatch_tokens_per_rank", "a size whose buffer is under 2^60 bytes",
+         std::to_string(num_max_dispatch_tokens_per_rank) + " tokens of hidden " + std::to_string(hidden) + " for " +
+             std::to_string(num_experts) + " experts on " + std::to_string(num_ranks) + " ranks");
   return static_cast<int64_t>(2 * LLLayout(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts).half_bytes);
 }
 
@@ -542,17 +552,18 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch_checked(const LowLatencyDi
         fail(fn, "topk_idx[" + std::to_string(t) + ", " + std::to_string(j) + "]",
              "an expert id in [0, " + std::to_string(E) + ") or -1", std::to_string(e));
     }
-  const LLLayout L(a.num_max_dispatch_tokens_per_rank, H, R, static_cast<int>(E));
   const int64_t hint = get_low_latency_rdma_size_hint(a.num_max_dispatch_tokens_per_rank, H, R, static_cast<int>(E));
+  const LLLayout L(a.num_max_dispatch_tokens_per_rank, H, R, static_cast<int>(E));
   if (m.num_rdma_bytes < hint)
     fail(fn, "num_rdma_bytes", ">= get_low_latency_rdma_size_hint(" + std::to_string(a.num_max_dispatch_tokens_per_rank) + ", " +
              std::to_string(H) + ", " + std::to_string(R) + ", " + std::to_string(E) + ") = " + std::to_string(hint),
          std::to_string(m.num_rdma_bytes));
   const int64_t local_E = E / R;
-  if (a.cumulative_local_expert_recv_stats.defined()) {
-    check_cpu_matrix(fn, "cumulative_local_expert_recv_stats", a.cumulative_local_expert_recv_stats.reshape({1, -1}), {DType::i32});
-    if (a.cumulative_local_expert_recv_stats.numel() != local_E)
-      fail(fn, "cumulative_local_expert_recv_stats", "i32 [" + std::to_string(local_E) + "]", a.cumulative_local_expert_recv_stats.str());
+  if (const Tensor& stats = a.cumulative_local_expert_recv_stats; stats.defined()) {  // (any stride)
+    moekit::detail::check_cpu(fn, "cumulative_local_expert_recv_stats", stats);
+    moekit::detail::check_dtype(fn, "cumulative_local_expert_recv_stats", stats, {DType::i32});
+    moekit::detail::check_rank(fn, "cumulative_local_expert_recv_stats", stats, 1);
+    check_shape(fn, "cumulative_local_expert_recv_stats", stats, {local_E});
   }
 
   // Send: wait until every reader of this half (two calls ago) is done, then fill it.
@@ -690,6 +701,7 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch_checked(const LowLatencyDi
 Tensor Buffer::get_next_low_latency_combine_buffer(const LowLatencyHandle& handle) {
   Impl& m = *impl_;
   constexpr const char* fn = "ep::Buffer::get_next_low_latency_combine_buffer";
+  if (!m.available) fail(fn, "buffer", "a live buffer", "a destroyed buffer");
   if (!handle.defined()) fail(fn, "handle", "a handle from low_latency_dispatch", "an empty handle");
   const auto& st = *static_cast<const LLHandleState*>(handle.internal.get());
   if (st.buffer_id != m.id) fail(fn, "handle", "a handle from this buffer", "a handle from another buffer");
@@ -725,20 +737,37 @@ LowLatencyCombineResult Buffer::low_latency_combine_checked(const LowLatencyComb
     check_shape(fn, "out", a.out, {T, H});
   }
   if (a.async_finish && a.return_recv_hook) fail(fn, "async_finish", "not together with return_recv_hook", "both set");
-
-  const uint64_t call = ++m.ll_combines;
-  const int half = static_cast<int>(call & 1), lr = m.local_rank;
-  if (call > 2) m.wait_unmasked(fn, [&](int p) { return m.ll_read(lr, p).load(std::memory_order_acquire) >= call - 2; });
-  auto seg = m.peers[static_cast<size_t>(lr)].low_latency;
-  char* own = seg->data() + static_cast<size_t>(half) * m.ll_half_stride();
-
-  // Offer x: in place when it already is in shared memory, else its valid rows copied here.
-  uint64_t* meta = m.ll_meta(lr, half);
+  // (Dispatch checked its ids; these may be another tensor. Every id indexes per-expert state below.)
+  const int64_t E = local_E * m.num_ranks;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < state->topk; ++j) {
+      const int64_t e = a.topk_idx.data_ptr<int64_t>()[t * a.topk_idx.stride(0) + j];
+      if (e < -1 || e >= E)
+        fail(fn, "topk_idx[" + std::to_string(t) + ", " + std::to_string(j) + "]",
+             "an expert id in [0, " + std::to_string(E) + ") or -1", std::to_string(e));
+    }
+  // A dispatch's results live until the second dispatch after it (its half is reused then):
+  // an older handle's layout ranges are gone.
+  if (m.ll_dispatches >= state->call + 2)
+    fail(fn, "handle", "a low-latency result at most two dispatches old",
+         "the result of dispatch " + std::to_string(state->call) + ", after dispatch " + std::to_string(m.ll_dispatches));
+  auto seg = m.peers[static_cast<size_t>(m.local_rank)].low_latency;
   const size_t row_bytes = static_cast<size_t>(H) * 2;
   const auto xs_e = static_cast<size_t>(a.x.stride(0)) * 2, xs_r = static_cast<size_t>(a.x.stride(1)) * 2;
   const size_t span = static_cast<size_t>(local_E - 1) * xs_e + static_cast<size_t>(L.slots - 1) * xs_r + row_bytes;
   size_t heap_off = 0;
   const int heap_seg = m.heap->find(a.x.data(), span, heap_off);
+  // (Refused before this call is counted: then the peers learn of it at once.)
+  if (a.zero_copy && !seg->contains(a.x.data(), span) && heap_seg < 0)
+    fail(fn, "x", "get_next_low_latency_combine_buffer(handle) with zero_copy", "a tensor outside the buffer");
+
+  const uint64_t call = ++m.ll_combines;
+  const int half = static_cast<int>(call & 1), lr = m.local_rank;
+  if (call > 2) m.wait_unmasked(fn, [&](int p) { return m.ll_read(lr, p).load(std::memory_order_acquire) >= call - 2; });
+  char* own = seg->data() + static_cast<size_t>(half) * m.ll_half_stride();
+
+  // Offer x: in place when it already is in shared memory, else its valid rows copied here.
+  uint64_t* meta = m.ll_meta(lr, half);
   const bool own_rows_from_x = !a.return_recv_hook && !ll_async(m, a.async_finish);
   Tensor own_x;  // x in private memory, which the receive reads in place for this rank's own rows
   bool peers_read_x = false;  // private x that this node's owners read through cma
@@ -754,8 +783,6 @@ LowLatencyCombineResult Buffer::low_latency_combine_checked(const LowLatencyComb
     meta[kLLXStrideE] = xs_e;
     meta[kLLXStrideR] = xs_r;
   } else {
-    if (a.zero_copy)
-      fail(fn, "x", "get_next_low_latency_combine_buffer(handle) with zero_copy", "a tensor outside the buffer");
     // This rank's own rows (its tokens' results from its own experts) are not copied when it
     // reads them before returning (no hook, not asynchronous): the receive takes them from x.
     // Then, where the node's ranks may read each other's memory, no row is copied: the owners

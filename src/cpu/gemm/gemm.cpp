@@ -411,13 +411,18 @@ void run_medium_m(const detail::GemmKernels& kern, const GemmOperand& a, const G
 
 // pre: B's pre-packed panels (then b only gives its extents), made by the kernels of `isa`
 // for the call `fn`; A must be an operand those kernels take.
+thread_local bool t_validation_only = false;  // (detail::DenseValidationOnly)
+
 void run_gemm(const char* fn, GemmOperand a, GemmOperand b, const Output& out, const Prepacked& pre = {},
               Isa isa = active_isa()) {
+  // (Unpacked calls have nothing left to refuse; gemm_prepare may scan every scale of B.)
+  if (t_validation_only && !pre.data) return;
   const Isa runs_on = detail::gemm_prepare(isa, a, b);
   if (pre.data && runs_on != isa)
     fail(fn, "a", std::string("activations the ") + isa_name(isa) + " kernels that packed b take",
          std::string(dtype_name(a.dtype)) + " with scale groups of " + std::to_string(a.gran_k) +
              " (amx: a power of two from 32 to 2048, avx512_bf16: 32 to 1024, or power-of-two scales)");
+  if (t_validation_only) return;
   const int64_t m = a.mn, n = b.mn, k = a.k;
   if (m == 0 || n == 0) return;
   const detail::GemmKernels& kern = detail::gemm_kernels(runs_on);
@@ -459,6 +464,22 @@ void run_gemm(const char* fn, GemmOperand a, GemmOperand b, const Output& out, c
 }
 
 // ---------------------------------------------------------------- validation
+
+// C is D itself (accumulating in place) or lies apart from it: a C that partly overlaps D
+// would be read after some of it was overwritten (and by other threads).
+void check_c_apart_from_d(const char* fn, const Tensor& d, const Tensor& c) {
+  if (!c.defined() || c.numel() == 0 || d.numel() == 0) return;
+  if (c.data() == d.data() && c.shape() == d.shape() && c.strides() == d.strides()) return;
+  auto extent = [](const Tensor& t) {  // one past the last byte a view reaches (strides >= 0)
+    int64_t last = 0;
+    for (int64_t i = 0; i < t.dim(); ++i) last += (t.size(i) - 1) * t.stride(i);
+    return static_cast<const uint8_t*>(t.data()) + (last + 1) * t.element_size();
+  };
+  const auto* c0 = static_cast<const uint8_t*>(c.data());
+  const auto* d0 = static_cast<const uint8_t*>(d.data());
+  if (c0 < extent(d) && d0 < extent(c))
+    fail(fn, "c", "d itself (in place) or memory apart from d", "a view that partly overlaps d");
+}
 
 std::string dims(int64_t a, int64_t b) { return shape_str({a, b}); }
 
@@ -511,6 +532,7 @@ Output describe_output(const char* fn, const Tensor& d, const Tensor& c, int64_t
   if (c.defined()) {
     detail::check_cpu_matrix(fn, "c", c, {d.dtype()});
     detail::check_shape(fn, "c", c, {m, n});
+    check_c_apart_from_d(fn, d, c);
     out.c = static_cast<const uint8_t*>(c.data());
     out.c_dtype = c.dtype();
     out.ldc = c.stride(0);
@@ -618,6 +640,12 @@ void run_packed(const char* fn, const GemmOperand& a, const PackedWeights& b, co
 }
 
 }  // namespace
+
+namespace detail {
+DenseValidationOnly::DenseValidationOnly() : previous_(t_validation_only) { t_validation_only = true; }
+DenseValidationOnly::~DenseValidationOnly() { t_validation_only = previous_; }
+void check_c_apart_from_d(const char* fn, const Tensor& d, const Tensor& c) { moekit::check_c_apart_from_d(fn, d, c); }
+}  // namespace detail
 
 PackedWeights pack_bf16_weights(const Tensor& b, bool k_major) {
   return pack_weights(describe("pack_bf16_weights", "b", b, k_major, {DType::bf16}));

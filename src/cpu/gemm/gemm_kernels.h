@@ -104,4 +104,21 @@ const GemmKernels& gemm_kernels(Isa isa);
 // prepare(), which may mark operands for promotion), else avx512.
 Isa gemm_prepare(Isa isa, GemmOperand& a, GemmOperand& b);
 
+// While one is alive on this thread, the dense GEMM entry points check their arguments (with
+// pre-packed weights also whether the packing ISA's kernels take the activations) and return
+// without computing: the grouped GEMMs check every group's call before any group writes D.
+// Error naming c unless c is undefined, d itself, or apart from d's memory.
+void check_c_apart_from_d(const char* fn, const Tensor& d, const Tensor& c);
+
+class DenseValidationOnly {
+ public:
+  DenseValidationOnly();
+  ~DenseValidationOnly();
+  DenseValidationOnly(const DenseValidationOnly&) = delete;
+  DenseValidationOnly& operator=(const DenseValidationOnly&) = delete;
+
+ private:
+  bool previous_;
+};
+
 }  // namespace moekit::detail

@@ -2,11 +2,14 @@
 // (a row-slice of A and D against that group's B), run with all threads, so the work is
 // balanced by actual rows whatever the group sizes, and results are those of the dense GEMM
 // (bit-identical for any thread count). Rows that belong to no group are never touched.
+// Every argument is checked before any group runs (the dense calls first check alone,
+// computing nothing), so a call that raises moekit::Error has written nothing.
 #include <atomic>
 #include <string>
 #include <vector>
 
 #include "core/check.h"
+#include "cpu/gemm/gemm_kernels.h"
 #include "moekit/error.h"
 #include "moekit/gemm.h"
 
@@ -31,6 +34,31 @@ void call_dense(const char* fn, int64_t group, Fn&& dense) {
   } catch (const Error& e) {
     fail(fn, e.argument() + " (group " + std::to_string(group) + ")", e.expected(), e.actual());
   }
+}
+
+// Checks the dense calls of every run without computing, then runs them: dense(group, r0, r1)
+// makes the dense call of rows [r0, r1) of a group. Groups share every shape but their rows',
+// so group 0's call with no rows checks what all groups' calls would (a call that computes
+// no group still checks its arguments); each run's own call is checked too where the check
+// depends on its data (pre-packed weights: whether the packing ISA's kernels take those
+// activations' scales).
+template <class Dense>
+void run_groups(const char* fn, int64_t groups, const std::vector<Run>& runs, bool check_each_run, Dense dense) {
+  {
+    detail::DenseValidationOnly checks_only;
+    if (groups > 0) call_dense(fn, 0, [&] { dense(0, 0, 0); });
+    if (check_each_run)
+      for (const Run& r : runs) call_dense(fn, r.group, [&] { dense(r.group, r.r0, r.r1); });
+  }
+  for (const Run& r : runs) call_dense(fn, r.group, [&] { dense(r.group, r.r0, r.r1); });
+}
+
+// A tensor of scales: on the CPU, one of the dtypes, of the rank; any strides (the dense
+// calls take any, e.g. upstream's MN-major scales).
+void check_scales(const char* fn, const char* arg, const Tensor& t, int64_t rank) {
+  detail::check_cpu(fn, arg, t);
+  detail::check_dtype(fn, arg, t, {DType::f32, DType::i32});
+  detail::check_rank(fn, arg, t, rank);
 }
 
 void check_weights(const char* fn, const char* arg, const Tensor& b, std::initializer_list<DType> dtypes) {
@@ -111,28 +139,30 @@ void bf16_contiguous(const char* fn, DenseBf16 dense, const Tensor& a, const Ten
   const int64_t m = a.size(0);
   const int64_t n = dense == &bf16_gemm_nt ? b.size(1) : b.size(2);
   check_output(fn, "d", d, {m, n});
-  for (const Run& r : contiguous_runs(fn, layout, m, b.size(0), psum))
-    call_dense(fn, r.group, [&] { dense(a.slice(0, r.r0, r.r1), b.select(0, r.group), d.slice(0, r.r0, r.r1), Tensor()); });
+  run_groups(fn, b.size(0), contiguous_runs(fn, layout, m, b.size(0), psum), false, [&](int64_t g, int64_t r0, int64_t r1) {
+    dense(a.slice(0, r0, r1), b.select(0, g), d.slice(0, r0, r1), Tensor());
+  });
 }
 
 void fp8_contiguous(const char* fn, DenseFp8 dense, const Quantized& a, const Quantized& b, const Tensor& d,
                     const Tensor& layout, bool psum, const GemmOptions& o) {
   detail::check_cpu_matrix(fn, "a.values", a.values, {DType::e4m3, DType::e2m1x2});
-  detail::check_cpu_matrix(fn, "a.sf", a.sf, {DType::f32, DType::i32});
+  check_scales(fn, "a.sf", a.sf, 2);
   check_weights(fn, "b.values", b.values, {DType::e4m3, DType::e2m1x2});
-  check_weights(fn, "b.sf", b.sf, {DType::f32, DType::i32});
+  check_scales(fn, "b.sf", b.sf, 3);
   check_gran_m(fn, o);
   const int64_t m = a.values.size(0), groups = b.values.size(0);
   if (a.sf.size(0) != m) fail(fn, "a.sf", std::to_string(m) + " rows (one per row of a)", shape_str(a.sf.shape()));
   if (b.sf.size(0) != groups) fail(fn, "b.sf", std::to_string(groups) + " groups", shape_str(b.sf.shape()));
   const bool nt = dense == &fp8_fp4_gemm_nt;
-  const int64_t n = nt ? b.values.size(1) : (b.values.dtype() == DType::e2m1x2 ? 2 : 1) * b.values.size(2);
+  // (FP4 weights stored [K, N / 2] leave N odd or even: D says which, as in the dense call.)
+  const bool n_from_d = !nt && b.values.dtype() == DType::e2m1x2 && d.defined() && d.dim() == 2;
+  const int64_t n = nt ? b.values.size(1) : n_from_d ? d.size(1) : b.values.size(2);
   check_output(fn, "d", d, {m, n});
-  for (const Run& r : contiguous_runs(fn, layout, m, groups, psum))
-    call_dense(fn, r.group, [&] {
-      dense({a.values.slice(0, r.r0, r.r1), a.sf.slice(0, r.r0, r.r1)},
-            {b.values.select(0, r.group), b.sf.select(0, r.group)}, d.slice(0, r.r0, r.r1), Tensor(), o);
-    });
+  run_groups(fn, groups, contiguous_runs(fn, layout, m, groups, psum), false, [&](int64_t g, int64_t r0, int64_t r1) {
+    dense({a.values.slice(0, r0, r1), a.sf.slice(0, r0, r1)}, {b.values.select(0, g), b.sf.select(0, g)},
+          d.slice(0, r0, r1), Tensor(), o);
+  });
 }
 
 // The masked runs: group g's first masked_m[g] rows.
@@ -154,11 +184,23 @@ void check_slab(const char* fn, const char* arg, const Tensor& t, std::initializ
   if (t.size(0) != groups) fail(fn, arg, std::to_string(groups) + " groups", shape_str(t.shape()));
 }
 
+// Masked activations' scales: [G, max_m, ...], one row per row of a (a view with fewer rows
+// would be cut short by the groups' row slices).
+void check_masked_scales(const char* fn, const Tensor& sf, int64_t groups, int64_t max_m) {
+  check_scales(fn, "a.sf", sf, 3);
+  if (sf.size(0) != groups || sf.size(1) != max_m)
+    fail(fn, "a.sf", "[" + std::to_string(groups) + ", " + std::to_string(max_m) + ", ...] (a's groups and rows)",
+         shape_str(sf.shape()));
+}
+
 // Row offsets of the K groups (prefix sums of ks), validated against the operands' rows.
 std::vector<int64_t> k_offsets(const char* fn, const std::vector<int64_t>& ks, int64_t rows_a, int64_t rows_b) {
   std::vector<int64_t> offsets{0};
   for (size_t g = 0; g < ks.size(); ++g) {
     if (ks[g] < 0) fail(fn, "ks", "non-negative group sizes", std::to_string(ks[g]) + " for group " + std::to_string(g));
+    if (ks[g] > rows_a - offsets.back())  // (also keeps the sum from overflowing)
+      fail(fn, "ks", "group sizes summing to a's " + std::to_string(rows_a) + " rows",
+           "more by group " + std::to_string(g) + " (" + std::to_string(ks[g]) + " after " + std::to_string(offsets.back()) + ")");
     offsets.push_back(offsets.back() + ks[g]);
   }
   if (offsets.back() != rows_a) fail(fn, "a", std::to_string(offsets.back()) + " rows (the sum of ks)", std::to_string(rows_a));
@@ -169,6 +211,17 @@ std::vector<int64_t> k_offsets(const char* fn, const std::vector<int64_t>& ks, i
 void check_k_grouped_output(const char* fn, const Tensor& d, const Tensor& c, const Shape& shape) {
   check_output(fn, "d", d, shape, {DType::f32});
   if (c.defined()) check_output(fn, "c", c, shape, {DType::f32});
+  detail::check_c_apart_from_d(fn, d, c);  // (group g + 1's C must not be group g's D)
+}
+
+// Group g of a k-grouped call: D[g] = C[g] + the dense product, or with K = 0 exactly C[g]
+// (zeros without C): a dense call would add +0 and turn a C of -0 into +0.
+template <class Dense>
+void k_group(const Tensor& d, const Tensor& c, int64_t g, int64_t k, Dense dense) {
+  const Tensor dg = d.select(0, g), cg = c.defined() ? c.select(0, g) : Tensor();
+  if (k > 0) return dense(dg, cg);
+  if (cg.defined() && cg.data() == dg.data()) return;
+  dg.copy_from(cg.defined() ? cg : Tensor::zeros(dg.shape(), DType::f32));
 }
 
 // Every group's packed weights present and of one N x K (and `groups` of them, when given);
@@ -182,6 +235,11 @@ int64_t check_packed(const char* fn, const std::vector<PackedWeights>& b, int64_
     if (b[g].n() != b[0].n() || b[g].k() != b[0].k())
       fail(fn, arg, "N x K = " + std::to_string(b[0].n()) + " x " + std::to_string(b[0].k()) + " (as b[0])",
            std::to_string(b[g].n()) + " x " + std::to_string(b[g].k()));
+    // (A's default recipe follows the weights' format, and which activations the kernels
+    // take follows the packing ISA: one of each per call.)
+    if (b[g].source_dtype() != b[0].source_dtype() || b[g].isa() != b[0].isa())
+      fail(fn, arg, std::string("weights packed like b[0] (") + dtype_name(b[0].source_dtype()) + ", " + isa_name(b[0].isa()) + ")",
+           std::string(dtype_name(b[g].source_dtype())) + ", " + isa_name(b[g].isa()));
   }
   return b.empty() ? 0 : b[0].n();
 }
@@ -212,10 +270,8 @@ void m_grouped_bf16_gemm_packed_contiguous(const Tensor& a, const std::vector<Pa
   detail::check_cpu_matrix(fn, "a", a, {DType::bf16});
   const int64_t m = a.size(0), groups = static_cast<int64_t>(b.size());
   check_output(fn, "d", d, {m, check_packed(fn, b)});
-  for (const Run& r : contiguous_runs(fn, grouped_layout, m, groups, use_psum_layout))
-    call_dense(fn, r.group, [&] {
-      bf16_gemm_packed(a.slice(0, r.r0, r.r1), b[static_cast<size_t>(r.group)], d.slice(0, r.r0, r.r1));
-    });
+  run_groups(fn, groups, contiguous_runs(fn, grouped_layout, m, groups, use_psum_layout), false,
+             [&](int64_t g, int64_t r0, int64_t r1) { bf16_gemm_packed(a.slice(0, r0, r1), b[static_cast<size_t>(g)], d.slice(0, r0, r1)); });
 }
 
 void m_grouped_fp8_fp4_gemm_packed_contiguous(const Quantized& a, const std::vector<PackedWeights>& b, const Tensor& d,
@@ -223,16 +279,16 @@ void m_grouped_fp8_fp4_gemm_packed_contiguous(const Quantized& a, const std::vec
                                               const GemmOptions& options) {
   constexpr const char* fn = "m_grouped_fp8_fp4_gemm_packed_contiguous";
   detail::check_cpu_matrix(fn, "a.values", a.values, {DType::e4m3, DType::e2m1x2});
-  detail::check_cpu_matrix(fn, "a.sf", a.sf, {DType::f32, DType::i32});
+  check_scales(fn, "a.sf", a.sf, 2);
   check_gran_m(fn, options);
   const int64_t m = a.values.size(0), groups = static_cast<int64_t>(b.size());
   if (a.sf.size(0) != m) fail(fn, "a.sf", std::to_string(m) + " rows (one per row of a)", shape_str(a.sf.shape()));
   check_output(fn, "d", d, {m, check_packed(fn, b)});
-  for (const Run& r : contiguous_runs(fn, grouped_layout, m, groups, use_psum_layout))
-    call_dense(fn, r.group, [&] {
-      fp8_fp4_gemm_packed({a.values.slice(0, r.r0, r.r1), a.sf.slice(0, r.r0, r.r1)}, b[static_cast<size_t>(r.group)],
-                          d.slice(0, r.r0, r.r1), Tensor(), options);
-    });
+  run_groups(fn, groups, contiguous_runs(fn, grouped_layout, m, groups, use_psum_layout), true,
+             [&](int64_t g, int64_t r0, int64_t r1) {
+               fp8_fp4_gemm_packed({a.values.slice(0, r0, r1), a.sf.slice(0, r0, r1)}, b[static_cast<size_t>(g)],
+                                   d.slice(0, r0, r1), Tensor(), options);
+             });
 }
 
 void m_grouped_bf16_gemm_packed_masked(const Tensor& a, const std::vector<PackedWeights>& b, const Tensor& d,
@@ -241,11 +297,9 @@ void m_grouped_bf16_gemm_packed_masked(const Tensor& a, const std::vector<Packed
   check_weights(fn, "a", a, {DType::bf16});
   const int64_t groups = a.size(0), max_m = a.size(1);
   check_output(fn, "d", d, {groups, max_m, check_packed(fn, b, groups)});
-  for (const Run& r : masked_runs(fn, masked_m, groups, max_m, expected_m))
-    call_dense(fn, r.group, [&] {
-      bf16_gemm_packed(a.select(0, r.group).slice(0, 0, r.r1), b[static_cast<size_t>(r.group)],
-                       d.select(0, r.group).slice(0, 0, r.r1));
-    });
+  run_groups(fn, groups, masked_runs(fn, masked_m, groups, max_m, expected_m), false, [&](int64_t g, int64_t, int64_t r1) {
+    bf16_gemm_packed(a.select(0, g).slice(0, 0, r1), b[static_cast<size_t>(g)], d.select(0, g).slice(0, 0, r1));
+  });
 }
 
 void m_grouped_fp8_fp4_gemm_packed_masked(const Quantized& a, const std::vector<PackedWeights>& b, const Tensor& d,
@@ -253,14 +307,13 @@ void m_grouped_fp8_fp4_gemm_packed_masked(const Quantized& a, const std::vector<
   constexpr const char* fn = "m_grouped_fp8_fp4_gemm_packed_masked";
   check_weights(fn, "a.values", a.values, {DType::e4m3, DType::e2m1x2});
   const int64_t groups = a.values.size(0), max_m = a.values.size(1);
-  check_slab(fn, "a.sf", a.sf, {DType::f32, DType::i32}, groups);
+  check_masked_scales(fn, a.sf, groups, max_m);
   check_gran_m(fn, options);
   check_output(fn, "d", d, {groups, max_m, check_packed(fn, b, groups)});
-  for (const Run& r : masked_runs(fn, masked_m, groups, max_m, expected_m))
-    call_dense(fn, r.group, [&] {
-      fp8_fp4_gemm_packed({a.values.select(0, r.group).slice(0, 0, r.r1), a.sf.select(0, r.group).slice(0, 0, r.r1)},
-                          b[static_cast<size_t>(r.group)], d.select(0, r.group).slice(0, 0, r.r1), Tensor(), options);
-    });
+  run_groups(fn, groups, masked_runs(fn, masked_m, groups, max_m, expected_m), true, [&](int64_t g, int64_t, int64_t r1) {
+    fp8_fp4_gemm_packed({a.values.select(0, g).slice(0, 0, r1), a.sf.select(0, g).slice(0, 0, r1)}, b[static_cast<size_t>(g)],
+                        d.select(0, g).slice(0, 0, r1), Tensor(), options);
+  });
 }
 
 void k_grouped_bf16_gemm_tn_contiguous(const Tensor& a, const Tensor& b, const Tensor& d,
@@ -271,11 +324,19 @@ void k_grouped_bf16_gemm_tn_contiguous(const Tensor& a, const Tensor& b, const T
   const int64_t groups = static_cast<int64_t>(ks.size());
   check_k_grouped_output(fn, d, c, {groups, a.size(1), b.size(1)});
   const std::vector<int64_t> off = k_offsets(fn, ks, a.size(0), b.size(0));
-  for (int64_t g = 0; g < groups; ++g)
+  auto group = [&](int64_t g) {
     call_dense(fn, g, [&] {
-      bf16_gemm_tn(a.slice(0, off[g], off[g + 1]), b.slice(0, off[g], off[g + 1]), d.select(0, g),
-                   c.defined() ? c.select(0, g) : Tensor());
+      k_group(d, c, g, off[g + 1] - off[g], [&](const Tensor& dg, const Tensor& cg) {
+        bf16_gemm_tn(a.slice(0, off[g], off[g + 1]), b.slice(0, off[g], off[g + 1]), dg, cg);
+      });
     });
+  };
+  {
+    detail::DenseValidationOnly checks_only;  // (every group's K differs: each is checked)
+    for (int64_t g = 0; g < groups; ++g)
+      if (off[g + 1] > off[g]) group(g);
+  }
+  for (int64_t g = 0; g < groups; ++g) group(g);
 }
 
 void k_grouped_fp8_gemm_tn_contiguous(const Quantized& a, const Quantized& b, const Tensor& d,
@@ -283,8 +344,10 @@ void k_grouped_fp8_gemm_tn_contiguous(const Quantized& a, const Quantized& b, co
   constexpr const char* fn = "k_grouped_fp8_gemm_tn_contiguous";
   detail::check_cpu_matrix(fn, "a.values", a.values, {DType::e4m3});
   detail::check_cpu_matrix(fn, "b.values", b.values, {DType::e4m3});
-  detail::check_cpu_matrix(fn, "a.sf", a.sf, {DType::f32});
-  detail::check_cpu_matrix(fn, "b.sf", b.sf, {DType::f32});
+  check_scales(fn, "a.sf", a.sf, 2);
+  check_scales(fn, "b.sf", b.sf, 2);
+  detail::check_dtype(fn, "a.sf", a.sf, {DType::f32});
+  detail::check_dtype(fn, "b.sf", b.sf, {DType::f32});
   const int64_t groups = static_cast<int64_t>(ks.size());
   check_k_grouped_output(fn, d, c, {groups, a.values.size(1), b.values.size(1)});
   const std::vector<int64_t> off = k_offsets(fn, ks, a.values.size(0), b.values.size(0));
@@ -294,17 +357,23 @@ void k_grouped_fp8_gemm_tn_contiguous(const Quantized& a, const Quantized& b, co
   if (b.sf.size(0) != blocks) fail(fn, "b.sf", std::to_string(blocks) + " rows (ceil(K_g / 128) per group)", shape_str(b.sf.shape()));
   GemmOptions o;
   o.recipe = Recipe{1, 1, 128};
-  int64_t s0 = 0;
-  for (int64_t g = 0; g < groups; ++g) {
-    const int64_t s1 = s0 + ceil_div(ks[static_cast<size_t>(g)], 128);
+  std::vector<int64_t> s{0};  // the groups' first scale rows
+  for (int64_t g = 0; g < groups; ++g) s.push_back(s.back() + ceil_div(ks[static_cast<size_t>(g)], 128));
+  auto group = [&](int64_t g) {
     // The dense API takes scales in the canonical [MN, groups] orientation: a transposed view.
     call_dense(fn, g, [&] {
-      fp8_fp4_gemm_tn({a.values.slice(0, off[g], off[g + 1]), a.sf.slice(0, s0, s1).t()},
-                      {b.values.slice(0, off[g], off[g + 1]), b.sf.slice(0, s0, s1).t()}, d.select(0, g),
-                      c.defined() ? c.select(0, g) : Tensor(), o);
+      k_group(d, c, g, off[g + 1] - off[g], [&](const Tensor& dg, const Tensor& cg) {
+        fp8_fp4_gemm_tn({a.values.slice(0, off[g], off[g + 1]), a.sf.slice(0, s[g], s[g + 1]).t()},
+                        {b.values.slice(0, off[g], off[g + 1]), b.sf.slice(0, s[g], s[g + 1]).t()}, dg, cg, o);
+      });
     });
-    s0 = s1;
+  };
+  {
+    detail::DenseValidationOnly checks_only;
+    for (int64_t g = 0; g < groups; ++g)
+      if (off[g + 1] > off[g]) group(g);
   }
+  for (int64_t g = 0; g < groups; ++g) group(g);
 }
 
 int64_t get_mk_alignment_for_contiguous_layout() { return g_alignment.load(); }
@@ -340,11 +409,9 @@ void m_grouped_bf16_gemm_nt_masked(const Tensor& a, const Tensor& b, const Tenso
   const int64_t groups = a.size(0), max_m = a.size(1);
   check_slab(fn, "b", b, {DType::bf16}, groups);
   check_output(fn, "d", d, {groups, max_m, b.size(1)});
-  for (const Run& r : masked_runs(fn, masked_m, groups, max_m, expected_m))
-    call_dense(fn, r.group, [&] {
-      bf16_gemm_nt(a.select(0, r.group).slice(0, 0, r.r1), b.select(0, r.group),
-                   d.select(0, r.group).slice(0, 0, r.r1), Tensor());
-    });
+  run_groups(fn, groups, masked_runs(fn, masked_m, groups, max_m, expected_m), false, [&](int64_t g, int64_t, int64_t r1) {
+    bf16_gemm_nt(a.select(0, g).slice(0, 0, r1), b.select(0, g), d.select(0, g).slice(0, 0, r1), Tensor());
+  });
 }
 
 void m_grouped_fp8_gemm_nt_masked(const Quantized& a, const Quantized& b, const Tensor& d, const Tensor& masked_m,
@@ -352,17 +419,16 @@ void m_grouped_fp8_gemm_nt_masked(const Quantized& a, const Quantized& b, const 
   constexpr const char* fn = "m_grouped_fp8_gemm_nt_masked";
   check_weights(fn, "a.values", a.values, {DType::e4m3, DType::e2m1x2});
   const int64_t groups = a.values.size(0), max_m = a.values.size(1);
-  check_slab(fn, "a.sf", a.sf, {DType::f32, DType::i32}, groups);
+  check_masked_scales(fn, a.sf, groups, max_m);
   check_slab(fn, "b.values", b.values, {DType::e4m3, DType::e2m1x2}, groups);
-  check_slab(fn, "b.sf", b.sf, {DType::f32, DType::i32}, groups);
+  check_scales(fn, "b.sf", b.sf, 3);
+  if (b.sf.size(0) != groups) fail(fn, "b.sf", std::to_string(groups) + " groups", shape_str(b.sf.shape()));
   check_gran_m(fn, options);
   check_output(fn, "d", d, {groups, max_m, b.values.size(1)});
-  for (const Run& r : masked_runs(fn, masked_m, groups, max_m, expected_m))
-    call_dense(fn, r.group, [&] {
-      fp8_fp4_gemm_nt({a.values.select(0, r.group).slice(0, 0, r.r1), a.sf.select(0, r.group).slice(0, 0, r.r1)},
-                      {b.values.select(0, r.group), b.sf.select(0, r.group)}, d.select(0, r.group).slice(0, 0, r.r1),
-                      Tensor(), options);
-    });
+  run_groups(fn, groups, masked_runs(fn, masked_m, groups, max_m, expected_m), false, [&](int64_t g, int64_t, int64_t r1) {
+    fp8_fp4_gemm_nt({a.values.select(0, g).slice(0, 0, r1), a.sf.select(0, g).slice(0, 0, r1)},
+                    {b.values.select(0, g), b.sf.select(0, g)}, d.select(0, g).slice(0, 0, r1), Tensor(), options);
+  });
 }
 
 }  // namespace moekit
