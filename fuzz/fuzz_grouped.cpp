@@ -160,6 +160,7 @@ bool psum_valid(const std::vector<int32_t>& psum, int64_t align, int64_t m_total
 struct Problem {
   bool fp8 = false, nn = false;
   int64_t groups = 1, n = 1, k = 1;
+  int64_t k_b = 1;  // the weights' K: k, or (now and then) another, which every call must refuse
   Quantized a, b;  // contiguous: a [M, K]; masked: a [G, max_m, K]; b [G, N, K] or [G, K, N] (nn)
   GemmOptions options;
 };
@@ -179,10 +180,10 @@ Quantized make_a(const Shape& shape, bool fp8, bool pow2, Rng& rng) {
 
 Quantized make_b(const Problem& p, bool pow2, Rng& rng) {
   Quantized q;
-  q.values = Tensor::empty(p.nn ? Shape{p.groups, p.k, p.n} : Shape{p.groups, p.n, p.k}, p.fp8 ? DType::e4m3 : DType::bf16);
+  q.values = Tensor::empty(p.nn ? Shape{p.groups, p.k_b, p.n} : Shape{p.groups, p.n, p.k_b}, p.fp8 ? DType::e4m3 : DType::bf16);
   fill_values(q.values, rng);
   if (p.fp8) {
-    q.sf = Tensor::empty({p.groups, (p.n + 127) / 128, (p.k + 127) / 128}, DType::f32);
+    q.sf = Tensor::empty({p.groups, (p.n + 127) / 128, (p.k_b + 127) / 128}, DType::f32);
     fill_scales(q.sf, rng, pow2);
   }
   return q;
@@ -295,6 +296,7 @@ void run_contiguous(Reader& in, Problem& p, Rng& rng, bool psum_mode) {
     layout = per_row_layout(in, p.groups, align, m_total);
     valid = per_row_valid(layout, p.groups, align, rows_of);
   }
+  valid = valid && p.k_b == p.k;  // (refused also when no group has a row)
   const bool pow2 = in.small(2);
   p.a = make_a({m_total, p.k}, p.fp8, pow2, rng);
   Tensor sentinel = Tensor::empty({m_total, p.n}, DType::bf16);
@@ -345,7 +347,7 @@ void run_masked(Reader& in, Problem& p, Rng& rng) {
     if (m < 0 || m > max_m) valid = false;
   }
   const int64_t expected_m = in.small(8) == 0 ? -1 : in.small(24);
-  if (expected_m < 0) valid = false;
+  if (expected_m < 0 || p.k_b != p.k) valid = false;
   const bool pow2 = in.small(2);
   p.a = make_a({p.groups, max_m, p.k}, p.fp8, pow2, rng);
   const int64_t rows = p.groups * max_m;
@@ -493,6 +495,7 @@ void run_one(Reader& in) {
   p.n = 1 + in.small(24);
   p.k = 1 + in.small(8) * 40 + in.small(40);  // up to 320: several K groups
   if (mode == 3) return run_k_grouped(in, p.fp8, p.groups, rng);
+  p.k_b = in.small(12) == 0 ? p.k + 1 + in.small(3) : p.k;
   p.b = make_b(p, in.small(2), rng);
   if (mode == 2) run_masked(in, p, rng);
   else run_contiguous(in, p, rng, mode == 1);

@@ -1562,6 +1562,46 @@ TEST(EpFaults, BadInputOnOneRankDoesNotHangTheOthers) {
   EXPECT_FALSE(buf->is_available());
 }
 
+// Rank 0 combines with the handle of another dispatch than its peers (review finding,
+// 2026-12-03): the expert ranks would write rows at offsets of a layout the owners did not
+// make, into live shared memory. Every rank must raise at once, and the buffer stay usable.
+TEST(EpFaults, CombineWithAnotherDispatchsHandleRaisesEverywhere) {
+  const int me = my_rank();
+  if (num_ranks() < 2) GTEST_SKIP() << "needs two ranks";
+  const World wa = make_world(spec(256, 2, 2, tokens_per_rank([](int i) { return 8 + i; }), 1101));
+  const World wb = make_world(spec(256, 2, 2, tokens_per_rank([](int i) { return 13 + 2 * i; }), 1102));
+  BufferOptions o;
+  o.timeout_s = 10;
+  BufferGuard buf = make_buffer(o);
+  const RoutingTensors ra = routing_of(wa, expect_for(wa)), rb = routing_of(wb, expect_for(wb));
+  const Payload pa = make_payload(make_x(Data::random, 1101, me, wa.T(me), wa.H), false);
+  const Payload pb = make_payload(make_x(Data::random, 1102, me, wb.T(me), wb.H), false);
+  DispatchResult da, db;
+  if (!collective_step("dispatch A, then B", [&] {
+        da = buf->dispatch(fresh_args(pa, ra, true, 1, std::nullopt, false));
+        db = buf->dispatch(fresh_args(pb, rb, true, 1, std::nullopt, false));
+      }))
+    return;
+  const DispatchResult& mine = me == 0 ? db : da;
+  CombineArgs ca;
+  ca.x = mine.recv_x;
+  ca.handle = mine.handle;
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    (void)buf->combine(ca);
+    ADD_FAILURE() << "combine returned with rank 0 on another dispatch's handle";
+  } catch (const TimeoutError& e) {
+    ADD_FAILURE() << "a TimeoutError, not the handle check: " << e.what();
+  } catch (const moekit::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("handle"), std::string::npos) << e.what();
+  }
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 5.0);
+  CombineArgs good;
+  good.x = da.recv_x;
+  good.handle = da.handle;
+  EXPECT_TRUE(collective_step("combine A on every rank", [&] { (void)buf->combine(good); }));
+}
+
 // Rank 1 never calls dispatch: the others raise TimeoutError naming it; then every rank
 // destroys that buffer and a new one works.
 TEST(EpFaults, TimeoutNamesTheSilentRank) {

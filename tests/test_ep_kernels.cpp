@@ -1,18 +1,30 @@
 // The EP reduction kernels: every ISA path bit-identical to the portable one, and the
-// portable one equal to the plain f32 expression it documents (NaN, ±inf, -0, ties).
+// portable one equal to the plain f32 expression it documents (NaN, ±inf, -0, ties). Also
+// the Buffer's construction faults: arguments rejected on one rank only, and a /dev/shm too
+// small for a segment.
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <bit>
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <limits>
+#include <mutex>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "ep/cma.h"
 #include "ep/copy.h"
+#include "ep/shm.h"
+#include "ep_test_util.h"
 #include "moekit/formats.h"
 #include "moekit/runtime.h"
 
@@ -180,6 +192,163 @@ TEST(EpKernels, ReadPeerRowsCopiesRowsAndReportsFaults) {
   errno = 0;
   EXPECT_FALSE(read_peer_rows_at(me, from.data(), static_cast<int64_t>(from.size()), 8, got.data()));
   EXPECT_NE(errno, 0);
+}
+
+// ------------------------------------------------------------------ construction faults
+
+// Ends the process (and with it the mpirun job) when a collective step takes longer than
+// limit: a hung step then fails the suite with a message instead of waiting for ctest's
+// TIMEOUT. Disarmed when it goes out of scope.
+class HangWatchdog {
+ public:
+  HangWatchdog(std::string what, std::chrono::seconds limit) : what_(std::move(what)) {
+    thread_ = std::thread([this, limit] {
+      std::unique_lock lock(mu_);
+      if (cv_.wait_for(lock, limit, [this] { return done_; })) return;
+      std::fprintf(stderr, "[rank %d] HANG: %s did not finish within %lld s; ending the process\n",
+                   moekit::ep::testing::my_rank(), what_.c_str(), static_cast<long long>(limit.count()));
+      std::fflush(stderr);
+      std::_Exit(3);
+    });
+  }
+  ~HangWatchdog() {
+    {
+      std::lock_guard lock(mu_);
+      done_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  HangWatchdog(const HangWatchdog&) = delete;
+  HangWatchdog& operator=(const HangWatchdog&) = delete;
+
+ private:
+  std::string what_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::thread thread_;
+};
+
+// Constructs a Buffer on comm with this rank's arguments; returns the Error it raised (an
+// empty argument() and an ADD_FAILURE when it raised none or another exception).
+moekit::Error construct_expecting_error(MPI_Comm comm, int64_t nvl_bytes, moekit::ep::BufferOptions o) {
+  try {
+    moekit::ep::Buffer buf(comm, nvl_bytes, 0, o);
+    ADD_FAILURE() << "the Buffer was constructed although a rank's arguments were bad";
+    buf.destroy();
+  } catch (const moekit::ep::TimeoutError& e) {
+    ADD_FAILURE() << "a TimeoutError (not an argument check): " << e.what();
+  } catch (const moekit::Error& e) {
+    return e;
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "wrong exception type: " << e.what();
+  }
+  return moekit::Error("", "", "", "");
+}
+
+// Collective. Only rank 0 passes a bad num_nvl_bytes: every rank must raise moekit::Error at
+// once (rank 0 its own, the others one naming rank 0 and the argument). Before the ranks
+// agreed on their argument checks, rank 0 raised and the others waited forever in the
+// constructor's first collective: a HANG line from the watchdog below means that regression
+// (the ranks that raised wait for the others in the final all_ranks). The Buffer runs on a
+// communicator of its own so a stuck rank cannot match a later collective of the suite.
+TEST(EpBufferFaults, BadArgumentOnOneRankRaisesOnEveryRank) {
+  using namespace moekit::ep::testing;
+  const int me = my_rank();
+  if (num_ranks() < 2) GTEST_SKIP() << "needs two ranks";
+  MPI_Comm comm = MPI_COMM_NULL;
+  MPI_Comm_dup(MPI_COMM_WORLD, &comm);
+  moekit::ep::BufferOptions o;
+  o.timeout_s = 5;
+  bool raised = false;
+  {
+    HangWatchdog dog("ep::Buffer construction with a bad num_nvl_bytes on rank 0 only", std::chrono::seconds(60));
+    const auto start = std::chrono::steady_clock::now();
+    const moekit::Error e = construct_expecting_error(comm, me == 0 ? -1 : int64_t{1} << 20, o);
+    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    raised = !e.function().empty();
+    EXPECT_LT(waited, 10.0) << "an argument check must not wait for a timeout";
+    if (raised) {
+      EXPECT_EQ(e.argument(), "num_nvl_bytes") << e.what();
+      if (me == 0) {
+        EXPECT_NE(std::string(e.actual()).find("-1"), std::string::npos) << e.what();
+      } else {
+        EXPECT_NE(std::string(e.what()).find("rank 0"), std::string::npos) << "should name rank 0: " << e.what();
+      }
+    }
+    EXPECT_TRUE(all_ranks(raised)) << "every rank must raise";
+  }
+  // Nothing was left half-built: a good Buffer on the same communicator works.
+  {
+    HangWatchdog dog("ep::Buffer construction after a rejected one", std::chrono::seconds(60));
+    EXPECT_TRUE(collective_step("a good Buffer after a rejected one", [&] {
+      moekit::ep::Buffer buf(comm, int64_t{1} << 20, 0, o);
+      buf.destroy();
+    }));
+  }
+  MPI_Comm_free(&comm);
+}
+
+// Collective. The ranks ask for different ranks_per_node (rank 0: 1, the others: the rank
+// count): every rank must raise the same Error naming ranks_per_node rather than build
+// buffers that disagree on the node layout. The watchdog as above.
+TEST(EpBufferFaults, RanksPerNodeThatDiffersAcrossRanksRaisesOnEveryRank) {
+  using namespace moekit::ep::testing;
+  const int me = my_rank(), R = num_ranks();
+  if (R < 2) GTEST_SKIP() << "needs two ranks";
+  MPI_Comm comm = MPI_COMM_NULL;
+  MPI_Comm_dup(MPI_COMM_WORLD, &comm);
+  moekit::ep::BufferOptions o;
+  o.timeout_s = 5;
+  o.ranks_per_node = me == 0 ? 1 : R;
+  bool raised = false;
+  {
+    HangWatchdog dog("ep::Buffer construction with ranks_per_node differing across ranks", std::chrono::seconds(60));
+    const moekit::Error e = construct_expecting_error(comm, int64_t{1} << 20, o);
+    raised = !e.function().empty();
+    if (raised) {
+      EXPECT_EQ(e.argument(), "ranks_per_node") << e.what();
+    }
+    EXPECT_TRUE(all_ranks(raised)) << "every rank must raise";
+  }
+  MPI_Comm_free(&comm);
+}
+
+// A segment larger than /dev/shm can hold raises moekit::Error (naming the size and
+// /dev/shm) when it is created, touched or not, instead of a SIGBUS at the first write
+// (ftruncate alone reserves nothing on tmpfs). It asks for more than the whole mount, which
+// tmpfs refuses before reserving a page, so the test never fills /dev/shm for other tests
+// running beside it. Per rank, no communication.
+TEST(EpBufferFaults, SegmentLargerThanDevShmRaisesError) {
+  struct statvfs st {};
+  if (::statvfs("/dev/shm", &st) != 0) GTEST_SKIP() << "no /dev/shm to query: " << std::strerror(errno);
+  if (st.f_blocks == 0) GTEST_SKIP() << "/dev/shm has no size limit (a tmpfs mounted with size=0): nothing to exceed";
+  const uint64_t total = static_cast<uint64_t>(st.f_blocks) * st.f_frsize;
+  const uint64_t gib = uint64_t{1} << 30;
+  if (total > std::numeric_limits<uint64_t>::max() / 2 - gib) GTEST_SKIP() << "/dev/shm size " << total << " + 1 GiB overflows";
+  const size_t bytes = static_cast<size_t>(total + gib);
+  const std::string name = "/moekit-ep-test-too-large-" + std::to_string(::getpid());
+  for (const bool touch : {false, true}) {
+    try {
+      auto m = moekit::ep::detail::Mapping::create(name, bytes, touch);
+      ADD_FAILURE() << "created a " << bytes << "-byte segment on a " << total << "-byte /dev/shm (touch " << touch
+                    << "): its pages are not reserved, the first write past the free space is a SIGBUS";
+      return;  // (an untouched mapping: unmapped and unlinked here, never written)
+    } catch (const moekit::Error& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find(std::to_string(bytes)), std::string::npos) << "should quote the size needed: " << what;
+      EXPECT_NE(what.find("/dev/shm"), std::string::npos) << what;
+      EXPECT_NE(what.find("shm-size"), std::string::npos) << "should mention Docker's --shm-size: " << what;
+    }
+    // The name did not stay behind.
+    const int fd = ::shm_open(name.c_str(), O_RDONLY, 0);
+    EXPECT_LT(fd, 0) << name << " left in /dev/shm";
+    if (fd >= 0) {
+      ::close(fd);
+      ::shm_unlink(name.c_str());
+    }
+  }
 }
 
 }  // namespace

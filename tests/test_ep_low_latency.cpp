@@ -1177,6 +1177,37 @@ TEST(EpLowLatency, TwoResultsLiveOfDifferentHiddenSizes) {
   expect_combined(cb.combined_x, expected_combined(wb, Fmt::bf16, Expert::scaled, no_mask()), wb, "B combined_x");
 }
 
+// The other order (review finding, 2026-12-03): A (H = 7168), then B (H = 128), and B
+// combined first. Its combine takes A's half, where B's own layout had put the staged rows and
+// the output inside A's received rows; the combine block now ends where the half does.
+TEST(EpLowLatency, CombineOfASmallerResultKeepsTheLargerLive) {
+  const int R = num_ranks();
+  if (R < 2) GTEST_SKIP() << "needs two ranks";
+  LLSpec sa = ll_spec(7168, 1, 2, 8, tokens_per_rank([](int) { return int64_t{8}; }), 610, Data::random);
+  LLSpec sb = sa;
+  sb.hidden = 128;
+  sb.seed = 611;
+  sb.data = Data::rank_encoded;
+  const LLWorld wa = make_ll_world(sa), wb = make_ll_world(sb);
+  BufferGuard buf = make_ll_buffer(std::max(wa.hint(), wb.hint()));
+  LowLatencyDispatchResult a, b;
+  if (!collective_step("dispatch A (H=7168), then B (H=128)", [&] {
+        a = run_dispatch(*buf, dispatch_args(wa, Fmt::bf16, Completion::sync), Completion::sync);
+        b = run_dispatch(*buf, dispatch_args(wb, Fmt::bf16, Completion::sync), Completion::sync);
+      }))
+    return;
+  const uint64_t before = dispatch_fingerprint(a);
+  LowLatencyCombineResult cb, ca;
+  if (!collective_step("combine B", [&] { cb = combine_private(*buf, wb, b, Fmt::bf16, Expert::scaled, Completion::sync); })) return;
+  expect_combined(cb.combined_x, expected_combined(wb, Fmt::bf16, Expert::scaled, no_mask()), wb, "B combined_x");
+  const bool intact = dispatch_fingerprint(a) == before;
+  EXPECT_TRUE(intact) << "combine B (another hidden size) changed A's live result";
+  if (!all_ranks(intact)) return;  // (combining a corrupted A may follow garbage ranges)
+  check_ll_dispatch(a, wa, Fmt::bf16, no_mask());
+  if (!collective_step("combine A", [&] { ca = combine_private(*buf, wa, a, Fmt::bf16, Expert::scaled, Completion::sync); })) return;
+  expect_combined(ca.combined_x, expected_combined(wa, Fmt::bf16, Expert::scaled, no_mask()), wa, "A combined_x");
+}
+
 // H = 7168 (DeepSeek's hidden size) on a buffer of exactly the size hint.
 TEST(EpLowLatency, Hidden7168OnExactSizeHint) {
   const int R = num_ranks();

@@ -11,6 +11,9 @@
 //             2. expert ranks copy their rows back, signal done; owner reduces in f32
 //             3. owner signals it has finished reading (x offered in place may be released)
 // Flags only grow (op * 8 + phase), so a slow reader can never see a stale value as new.
+#include <exception>
+#include <limits>
+
 #include "ep/buffer_impl.h"
 #include "ep/cma.h"
 
@@ -18,6 +21,57 @@ namespace moekit::ep {
 
 namespace {
 std::atomic<uint64_t> g_next_buffer_id{1};
+
+// What the ranks agreed on after each checked a step on its own: the lowest rank that failed
+// (-1: none), and that rank's argument and message.
+struct Agreement {
+  int failed_rank = -1;
+  std::string argument, message;
+};
+
+// Collective over comm: one MPI_Allreduce of "the lowest failing rank" and, only when some
+// rank failed, one MPI_Bcast of its argument and message. Every rank gets the same answer,
+// so either all go on or all raise (raise_agreed): a rank that fails a check alone can never
+// leave its peers waiting in a later collective.
+Agreement agree(MPI_Comm comm, const std::exception_ptr& mine) {
+  int rank = 0;
+  MPI_Comm_rank(comm, &rank);
+  const int failed = mine ? rank : std::numeric_limits<int>::max();
+  int lowest = failed;
+  MPI_Allreduce(&failed, &lowest, 1, MPI_INT, MPI_MIN, comm);
+  Agreement a;
+  if (lowest == std::numeric_limits<int>::max()) return a;
+  a.failed_rank = lowest;
+  constexpr size_t kArg = 128, kText = 1024;  // (truncated past these)
+  char text[kText] = {};
+  if (rank == lowest) {
+    std::string argument = "arguments", message;
+    try {
+      std::rethrow_exception(mine);
+    } catch (const Error& e) {
+      argument = e.argument();
+      message = e.what();
+    } catch (const std::exception& e) {
+      message = e.what();
+    } catch (...) {
+      message = "an unknown exception";
+    }
+    std::strncpy(text, argument.c_str(), kArg - 1);
+    std::strncpy(text + kArg, message.c_str(), kText - kArg - 1);
+  }
+  MPI_Bcast(text, static_cast<int>(kText), MPI_CHAR, lowest, comm);
+  a.argument = text;
+  a.message = text + kArg;
+  return a;
+}
+
+// After agree() found a failure: a rank that failed raises its own exception; the others an
+// Error naming the lowest failing rank, its argument and its message.
+[[noreturn]] void raise_agreed(const char* fn, const Agreement& a, const std::exception_ptr& mine,
+                               const std::string& expected) {
+  if (mine) std::rethrow_exception(mine);
+  fail(fn, a.argument, expected, "rank " + std::to_string(a.failed_rank) + " failed: " + a.message);
+}
 
 // Whether every rank of every node can read its node peers' private memory with
 // process_vm_readv (the same user, and a ptrace policy that allows it: Yama's ptrace_scope
@@ -85,12 +139,26 @@ Buffer::Buffer(MPI_Comm comm, int64_t num_nvl_bytes, int64_t num_rdma_bytes, Buf
   Impl& m = *impl_;
   int initialised = 0;
   MPI_Initialized(&initialised);
+  // Without MPI or a communicator there is no one to agree with: these raise at once.
   if (!initialised) fail(fn, "comm", "an initialised MPI (call MPI_Init_thread first)", "MPI not initialised");
   if (comm == MPI_COMM_NULL) fail(fn, "comm", "a communicator", "MPI_COMM_NULL");
-  if (num_nvl_bytes < 0) fail(fn, "num_nvl_bytes", ">= 0", std::to_string(num_nvl_bytes));
-  if (num_rdma_bytes < 0) fail(fn, "num_rdma_bytes", ">= 0", std::to_string(num_rdma_bytes));
-  m.timeout = options.timeout_s > 0 ? options.timeout_s : env_double("MOEKIT_EP_TIMEOUT_S", 100.0);
-  const bool cma_wanted = env_flag("MOEKIT_EP_CMA", true);
+  // Every other check of this rank's arguments and environment, then one agreement on comm
+  // before any other collective: a rank whose checks fail (and only it) would otherwise
+  // raise while its peers wait forever in MPI_Comm_dup below.
+  bool cma_wanted = true;
+  int asked_ranks_per_node = 0;  // 0: the ranks that share a host
+  std::exception_ptr rejected;
+  try {
+    if (num_nvl_bytes < 0) fail(fn, "num_nvl_bytes", ">= 0", std::to_string(num_nvl_bytes));
+    if (num_rdma_bytes < 0) fail(fn, "num_rdma_bytes", ">= 0", std::to_string(num_rdma_bytes));
+    m.timeout = options.timeout_s > 0 ? options.timeout_s : env_double("MOEKIT_EP_TIMEOUT_S", 100.0);
+    cma_wanted = env_flag("MOEKIT_EP_CMA", true);
+    asked_ranks_per_node = options.ranks_per_node > 0 ? options.ranks_per_node : env_int("MOEKIT_EP_RANKS_PER_NODE", 0);
+  } catch (...) {
+    rejected = std::current_exception();
+  }
+  if (const Agreement a = agree(comm, rejected); a.failed_rank >= 0)
+    raise_agreed(fn, a, rejected, "arguments (and MOEKIT_EP_* settings) that every rank accepts");
   MPI_Comm_dup(comm, &m.comm);
   MPI_Comm_rank(m.comm, &m.rank);
   MPI_Comm_size(m.comm, &m.num_ranks);
@@ -102,23 +170,34 @@ Buffer::Buffer(MPI_Comm comm, int64_t num_nvl_bytes, int64_t num_rdma_bytes, Buf
   MPI_Comm_size(host_comm, &host_size);
   MPI_Bcast(&host_leader, 1, MPI_INT, 0, host_comm);
   MPI_Comm_free(&host_comm);
-  m.ranks_per_node = options.ranks_per_node > 0 ? options.ranks_per_node
-                                                : env_int("MOEKIT_EP_RANKS_PER_NODE", host_size);
-  std::vector<int> leaders(static_cast<size_t>(m.num_ranks));
-  MPI_Allgather(&host_leader, 1, MPI_INT, leaders.data(), 1, MPI_INT, m.comm);
+  m.ranks_per_node = asked_ranks_per_node > 0 ? asked_ranks_per_node : host_size;
+  // Every rank's host leader and ranks per node, on every rank: the node checks below run on
+  // the same data everywhere, so every rank reaches the same verdict and they all raise (or
+  // all go on) without another round.
+  const int about_me[2] = {host_leader, m.ranks_per_node};
+  std::vector<int> gathered(static_cast<size_t>(2 * m.num_ranks));
+  MPI_Allgather(about_me, 2, MPI_INT, gathered.data(), 2, MPI_INT, m.comm);
+  auto leader_of = [&](int r) { return gathered[static_cast<size_t>(2 * r)]; };
+  auto ranks_per_node_of = [&](int r) { return gathered[static_cast<size_t>(2 * r + 1)]; };
   auto give_up = [&](const std::string& arg, const std::string& expected, const std::string& actual) {
     MPI_Comm_free(&m.comm);
     fail(fn, arg, expected, actual);
   };
+  for (int r = 1; r < m.num_ranks; ++r)
+    if (ranks_per_node_of(r) != ranks_per_node_of(0))
+      give_up("ranks_per_node", "the same on every rank (BufferOptions::ranks_per_node, MOEKIT_EP_RANKS_PER_NODE)",
+              std::to_string(ranks_per_node_of(0)) + " on rank 0, " + std::to_string(ranks_per_node_of(r)) + " on rank " +
+                  std::to_string(r));
   if (m.num_ranks % m.ranks_per_node != 0)
     give_up("ranks_per_node", "a divisor of the rank count " + std::to_string(m.num_ranks), std::to_string(m.ranks_per_node));
-  const int node = m.rank / m.ranks_per_node;
-  for (int r = node * m.ranks_per_node; r < (node + 1) * m.ranks_per_node; ++r)
-    if (leaders[static_cast<size_t>(r)] != host_leader)
-      give_up("ranks_per_node", "consecutive ranks of one node on one host",
-              "rank " + std::to_string(r) + " on another host than rank " + std::to_string(m.rank));
   if (m.ranks_per_node > 32)
     give_up("ranks_per_node", "at most 32 ranks per node", std::to_string(m.ranks_per_node));
+  for (int first = 0; first < m.num_ranks; first += m.ranks_per_node)
+    for (int r = first + 1; r < first + m.ranks_per_node; ++r)
+      if (leader_of(r) != leader_of(first))
+        give_up("ranks_per_node", "consecutive ranks of one node on one host",
+                "rank " + std::to_string(r) + " on another host than rank " + std::to_string(first));
+  const int node = m.rank / m.ranks_per_node;
   m.local_rank = m.rank % m.ranks_per_node;
   MPI_Comm_split(m.comm, node, m.rank, &m.node_comm);
   MPI_Comm_split(m.comm, m.local_rank, m.rank, &m.rail_comm);
@@ -133,22 +212,24 @@ Buffer::Buffer(MPI_Comm comm, int64_t num_nvl_bytes, int64_t num_rdma_bytes, Buf
   m.masked.assign(static_cast<size_t>(m.num_ranks), 0);
   m.layout_ctrl();
   m.peers.resize(static_cast<size_t>(m.ranks_per_node));
-  std::string error;
+  // Creating and mapping the segments can fail on some ranks only (/dev/shm too small, names
+  // taken): each step ends in an agreement, so all ranks raise together.
+  std::exception_ptr failure;
   try {
     const std::string mine = m.prefix + "-r" + std::to_string(m.local_rank);
     m.own_ctrl = Mapping::create(mine + "-ctrl", m.ctrl_bytes, true);
     m.heap = std::make_shared<Heap>(mine);
     m.heap->add_segment(align_up(static_cast<size_t>(std::max<int64_t>(num_nvl_bytes, 4096)), 4096));
-    // Low-latency halves: pages are allocated when first written (they may be large).
+    // Low-latency halves: pages reserved now (a /dev/shm too small is an Error here, not a
+    // SIGBUS at the first dispatch) but written only when used.
     if (num_rdma_bytes > 0)
       m.peers[static_cast<size_t>(m.local_rank)].low_latency =
           Mapping::create(mine + "-ll", align_up(static_cast<size_t>(num_rdma_bytes), 4096), false);
-  } catch (const std::exception& e) {
-    error = e.what();
+  } catch (...) {
+    failure = std::current_exception();
   }
-  int ok = error.empty(), all_ok = 0;
-  MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, m.comm);
-  if (all_ok) {
+  Agreement agreed = agree(m.comm, failure);
+  if (agreed.failed_rank < 0) {
     try {
       for (int p = 0; p < m.ranks_per_node; ++p) {
         auto& peer = m.peers[static_cast<size_t>(p)];
@@ -162,24 +243,22 @@ Buffer::Buffer(MPI_Comm comm, int64_t num_nvl_bytes, int64_t num_rdma_bytes, Buf
           if (num_rdma_bytes > 0) peer.low_latency = Mapping::open(theirs + "-ll", false);
         }
       }
-    } catch (const std::exception& e) {
-      error = e.what();
+    } catch (...) {
+      failure = std::current_exception();
     }
-    ok = error.empty();
-    MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, m.comm);
+    agreed = agree(m.comm, failure);
   }
   // Everyone has mapped everything (or given up): the names can go.
   if (m.own_ctrl) m.own_ctrl->unlink();
   if (m.heap && m.heap->num_segments() > 0) m.heap->segment(0)->unlink();
   if (!m.peers.empty() && m.peers[static_cast<size_t>(m.local_rank)].low_latency)
     m.peers[static_cast<size_t>(m.local_rank)].low_latency->unlink();
-  if (!all_ok) {
+  if (agreed.failed_rank >= 0) {
     m.peers.clear();
     MPI_Comm_free(&m.rail_comm);
     MPI_Comm_free(&m.node_comm);
     MPI_Comm_free(&m.comm);
-    fail(fn, "shared memory", "every rank to create and map its segments",
-         error.empty() ? "a failure on another rank" : error);
+    raise_agreed(fn, agreed, failure, "every rank to create and map its shared-memory segments");
   }
   m.cma = probe_cross_memory_attach(m, cma_wanted);
 }

@@ -215,6 +215,7 @@ enum Meta : int {
   kXOff,
   kXStride,
   kXAddr,      // combine: x's address in this process (read by owners through cma)
+  kLayout,     // combine: a hash of the handle's counts (every rank must combine the same dispatch)
   kMetaCount = 16,
 };
 
@@ -247,6 +248,16 @@ struct HandleState {
   std::vector<std::vector<int32_t>> node_tokens;  // per node (own node: empty)
   std::vector<int32_t> node_pos;                  // [t * N + n]: index of t in node_tokens[n] or -1
 };
+
+// FNV-1a over a handle's token counts (source x destination): equal on every rank for the
+// same dispatch. Combine compares it across ranks: handles of different dispatches would
+// make the expert ranks write rows at offsets the owners did not lay out.
+inline uint64_t layout_hash(const HandleState& hs) {
+  uint64_t h = 1469598103934665603ull;
+  for (int64_t c : hs.counts)
+    for (int i = 0; i < 8; ++i) h = (h ^ ((static_cast<uint64_t>(c) >> (8 * i)) & 0xff)) * 1099511628211ull;
+  return h;
+}
 
 
 }  // namespace detail
@@ -288,6 +299,11 @@ struct Buffer::Impl {
   // The two low-latency halves sit at fixed offsets (0 and this), whatever each call's shapes,
   // so a call with a larger hidden size never spills into the other half's live result.
   size_t ll_half_stride() const { return static_cast<size_t>(num_rdma_bytes / 2) / 4096 * 4096; }
+  // Within a half, a dispatch lays out its regions from the start and a combine its own (x
+  // staged, combined_x) from the end, each by its call's shapes; so that two live results of
+  // different shapes never overlap, each half remembers the bytes its last dispatch and its
+  // last combine took (low_latency.cpp).
+  size_t ll_dispatch_bytes[2] = {0, 0}, ll_combine_bytes[2] = {0, 0};
   std::vector<int> masked;  // by rank, this rank's view
   // Whether every rank may read its node peers' private memory (process_vm_readv; probed at
   // construction, the same answer on every rank; MOEKIT_EP_CMA=0 turns it off), and their

@@ -363,16 +363,20 @@ CombineResult combine_internode(Buffer::Impl& m, const CombineArgs& a) {
   m.begin_op(fn);
   const int R = m.num_ranks, me = m.rank, L = m.ranks_per_node, N = m.num_nodes(), node = me / L, lr = m.local_rank;
   std::exception_ptr local_error;
-  int64_t hidden = 0, topk = 0;
+  int64_t hidden = 0, topk = 0, layout = 0;
   try {
     const CombineShape shape = check_combine(fn, a, m.id, R);
     hidden = shape.hidden;
     topk = shape.topk;
+    layout = static_cast<int64_t>(layout_hash(*shape.hs));
   } catch (const Error&) {
     local_error = std::current_exception();
   }
-  const std::vector<int64_t> all = all_gather_records(m, fn, {local_error ? 1 : 0, hidden, topk}, local_error);
-  check_same_fields(fn, all, 3, R, {{1, "x (hidden size)"}, {2, "topk_weights (top-k, 0 = none)"}});
+  const std::vector<int64_t> all = all_gather_records(m, fn, {local_error ? 1 : 0, hidden, topk, layout}, local_error);
+  check_same_fields(fn, all, 4, R,
+                    {{1, "x (hidden size)"},
+                     {2, "topk_weights (top-k, 0 = none)"},
+                     {3, "handle (the same dispatch's handle on every rank; layout hash)"}});
   auto hs = std::static_pointer_cast<const HandleState>(a.handle.internal);
 
   // Staging of this forwarder: for each source with its local index (node order), for each

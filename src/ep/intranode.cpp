@@ -186,6 +186,7 @@ CombineResult Buffer::combine(const CombineArgs& a) {
   mine[kNumSegs] = static_cast<uint64_t>(m.heap->num_segments());
   mine[kXAddr] = reinterpret_cast<uint64_t>(a.x.data());
   mine[kXStride] = static_cast<uint64_t>(a.x.stride(0)) * 2;
+  mine[kLayout] = layout_hash(hs);
   if (hs.rows > 0) {
     const size_t span = static_cast<size_t>((hs.rows - 1) * a.x.stride(0)) * 2 + row_bytes;
     size_t off = 0;
@@ -201,6 +202,7 @@ CombineResult Buffer::combine(const CombineArgs& a) {
   m.check_peer_errors(kCombine);
   check_same_everywhere(m, kCombine, kHidden, "x (hidden size)");
   check_same_everywhere(m, kCombine, kTopk, "topk_weights (top-k, 0 = none)");
+  check_same_everywhere(m, kCombine, kLayout, "handle (the same dispatch's handle on every rank; layout hash)");
 
   CombineResult out;
   out.combined_x = Tensor::from_blob_with_owner(output->data(), {hs.tokens, hidden}, DType::bf16, output);

@@ -71,7 +71,27 @@ struct LLLayout {
     combine_out = take(m * hb);
     half_bytes = align_up(at, 4096);
   }
+  // The regions a dispatch writes (from the start of a half) and a combine writes (placed at
+  // the end of the half: see combine_at).
+  size_t dispatch_bytes() const { return combine_x; }
+  size_t combine_bytes() const { return half_bytes - combine_x; }
 };
+
+// Where a combine of layout L puts x (staged) and its output inside a half: the combine block
+// ends where the half does, whatever L's dispatch part, so that a live result of another
+// dispatch shape in the same half keeps its rows (an error where the two cannot both fit).
+size_t combine_x_at(const Buffer::Impl& m, const LLLayout& L) { return m.ll_half_stride() - L.combine_bytes(); }
+size_t combine_out_at(const Buffer::Impl& m, const LLLayout& L) { return combine_x_at(m, L) + (L.combine_out - L.combine_x); }
+
+// The half the next dispatch (combine) will take must leave room for the live result of the
+// last combine (dispatch) there. Same counters and shapes on every rank: the same verdict.
+void check_half_fits(const Buffer::Impl& m, const char* fn, const char* arg, size_t dispatch_bytes, size_t combine_bytes) {
+  if (dispatch_bytes + combine_bytes > m.ll_half_stride())
+    fail(fn, arg, "shapes whose low-latency regions fit beside the live result of the other kind in the same half (" +
+                      std::to_string(m.ll_half_stride()) + " bytes)",
+         std::to_string(dispatch_bytes) + " dispatch bytes + " + std::to_string(combine_bytes) +
+             " combine bytes (results of differently shaped dispatches live at once; a larger num_rdma_bytes makes room)");
+}
 
 enum LLMeta : int {
   kLLTokens,
@@ -566,9 +586,12 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch_checked(const LowLatencyDi
     check_shape(fn, "cumulative_local_expert_recv_stats", stats, {local_E});
   }
 
+  check_half_fits(m, fn, "x", L.dispatch_bytes(), m.ll_combine_bytes[(m.ll_dispatches + 1) & 1]);
+
   // Send: wait until every reader of this half (two calls ago) is done, then fill it.
   const uint64_t call = ++m.ll_dispatches;
   const int half = static_cast<int>(call & 1), lr = m.local_rank;
+  m.ll_dispatch_bytes[half] = L.dispatch_bytes();
   if (call > 2) m.wait_unmasked(fn, [&](int p) { return m.ll_gathered(lr, p).load(std::memory_order_acquire) >= call - 2; });
   char* own = m.peers[static_cast<size_t>(lr)].low_latency->data() + static_cast<size_t>(half) * m.ll_half_stride();
   const int fp8_mode = !a.use_fp8 ? 0 : a.use_ue8m0 ? 2 : 1;
@@ -706,8 +729,9 @@ Tensor Buffer::get_next_low_latency_combine_buffer(const LowLatencyHandle& handl
   const auto& st = *static_cast<const LLHandleState*>(handle.internal.get());
   if (st.buffer_id != m.id) fail(fn, "handle", "a handle from this buffer", "a handle from another buffer");
   const int half = static_cast<int>((m.ll_combines + 1) & 1);
+  check_half_fits(m, fn, "handle", m.ll_dispatch_bytes[half], st.layout.combine_bytes());
   auto seg = m.peers[static_cast<size_t>(m.local_rank)].low_latency;
-  char* base = seg->data() + static_cast<size_t>(half) * m.ll_half_stride() + st.layout.combine_x;
+  char* base = seg->data() + static_cast<size_t>(half) * m.ll_half_stride() + combine_x_at(m, st.layout);
   return Tensor::from_blob_with_owner(base, {st.layout.local_experts, st.layout.slots, st.layout.hidden}, DType::bf16, seg);
 }
 
@@ -760,9 +784,11 @@ LowLatencyCombineResult Buffer::low_latency_combine_checked(const LowLatencyComb
   // (Refused before this call is counted: then the peers learn of it at once.)
   if (a.zero_copy && !seg->contains(a.x.data(), span) && heap_seg < 0)
     fail(fn, "x", "get_next_low_latency_combine_buffer(handle) with zero_copy", "a tensor outside the buffer");
+  check_half_fits(m, fn, "handle", m.ll_dispatch_bytes[(m.ll_combines + 1) & 1], L.combine_bytes());
 
   const uint64_t call = ++m.ll_combines;
   const int half = static_cast<int>(call & 1), lr = m.local_rank;
+  m.ll_combine_bytes[half] = L.combine_bytes();
   if (call > 2) m.wait_unmasked(fn, [&](int p) { return m.ll_read(lr, p).load(std::memory_order_acquire) >= call - 2; });
   char* own = seg->data() + static_cast<size_t>(half) * m.ll_half_stride();
 
@@ -802,13 +828,13 @@ LowLatencyCombineResult Buffer::low_latency_combine_checked(const LowLatencyComb
       const int64_t skip_begin = range >> 32, skip_end = skip_begin + (range & 0xffffffff);
       for (int64_t r = 0; r < state->recv_count[static_cast<size_t>(e)]; ++r)
         if (r < skip_begin || r >= skip_end)
-          detail::copy_stream(own + L.combine_x + static_cast<size_t>(e * L.slots + r) * row_bytes,
+          detail::copy_stream(own + combine_x_at(m, L) + static_cast<size_t>(e * L.slots + r) * row_bytes,
                               static_cast<const char*>(a.x.data()) + static_cast<size_t>(e) * xs_e + static_cast<size_t>(r) * xs_r,
                               row_bytes);
     }
     if (!peers_read_x) {
       meta[kLLXWhere] = 1;
-      meta[kLLXOff] = static_cast<uint64_t>(own + L.combine_x - seg->data());
+      meta[kLLXOff] = static_cast<uint64_t>(own + combine_x_at(m, L) - seg->data());
       meta[kLLXStrideE] = static_cast<uint64_t>(L.slots) * row_bytes;
       meta[kLLXStrideR] = row_bytes;
     }
@@ -837,7 +863,7 @@ LowLatencyCombineResult Buffer::low_latency_combine_checked(const LowLatencyComb
   }
 
   LowLatencyCombineResult out;
-  out.combined_x = a.out.defined() ? a.out : Tensor::from_blob_with_owner(own + L.combine_out, {T, H}, DType::bf16, seg);
+  out.combined_x = a.out.defined() ? a.out : Tensor::from_blob_with_owner(own + combine_out_at(m, L), {T, H}, DType::bf16, seg);
   Tensor result = out.combined_x, topk_idx = a.topk_idx, weights = a.topk_weights;
   auto receive = [&m, state, result, topk_idx, weights, fn, call, half, own_x, peers_read_x, wait_for_readers] {
     const int R = m.num_ranks, me = m.rank, lr = m.local_rank;

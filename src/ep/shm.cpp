@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <cctype>
@@ -22,6 +23,60 @@ namespace {
 [[noreturn]] void fail_errno(const char* what, const std::string& name, int err) {
   moekit::detail::fail("ep::Buffer", "shared memory " + name, std::string(what) + " to succeed",
                        std::strerror(err));
+}
+
+std::string mib_str(uint64_t bytes) {
+  char s[32];
+  std::snprintf(s, sizeof s, "%.1f MiB", static_cast<double>(bytes) / (1 << 20));
+  return s;
+}
+
+// "Room for N bytes in /dev/shm" as an Error: what a segment that cannot get its pages raises.
+[[noreturn]] void fail_room(const std::string& name, size_t bytes, int err, const char* how) {
+  std::string free = "unknown";
+  struct statvfs st {};
+  if (::statvfs("/dev/shm", &st) == 0)
+    free = std::to_string(static_cast<uint64_t>(st.f_bavail) * st.f_frsize) + " bytes free of " +
+           std::to_string(static_cast<uint64_t>(st.f_blocks) * st.f_frsize);
+  const std::string needed = std::to_string(bytes) + " bytes (" + mib_str(bytes) + ")";
+  const std::string actual = std::string(how) + ": " + (err ? std::strerror(err) : "not enough free space") + " (" + free + ")";
+  if (err == 0 || err == ENOSPC || err == EFBIG || err == EFAULT || err == ENOMEM)
+    moekit::detail::fail("ep::Buffer", "shared memory " + name,
+                         "room for " + needed + " in /dev/shm (it is too small: give it more room, e.g. Docker's "
+                         "--shm-size or a larger tmpfs, or ask for fewer num_nvl_bytes / num_rdma_bytes)",
+                         actual);
+  moekit::detail::fail("ep::Buffer", "shared memory " + name, "to reserve " + needed + " in /dev/shm", actual);
+}
+
+// Takes every page of a freshly created segment, mapped at data with the huge-page advice
+// given. ftruncate only sets the size: on tmpfs a page is taken when first written, and a
+// write past the mount's free space is a SIGBUS, not an error. So:
+//  - a segment larger than the mount's free space is refused before any page is taken (so a
+//    failing segment never fills /dev/shm under its neighbours);
+//  - MADV_POPULATE_WRITE then takes the pages through the mapping, which keeps the huge-page
+//    advice (on a `huge=advise` mount posix_fallocate, which has no mapping, takes 4 KiB pages)
+//    and reports a failure (EFAULT) where a write would raise SIGBUS;
+//  - kernels without it (before 5.14) reserve with posix_fallocate.
+// Returns whether the pages are also mapped (populated): then writes never fault.
+bool reserve(char* data, size_t bytes, const std::string& name) {
+  if (bytes == 0) return true;
+  struct statvfs st {};
+  if (::statvfs("/dev/shm", &st) == 0 && st.f_blocks > 0 &&
+      static_cast<uint64_t>(st.f_bavail) * st.f_frsize < bytes)
+    fail_room(name, bytes, 0, "statvfs(/dev/shm)");
+#ifdef MADV_POPULATE_WRITE
+  if (::madvise(data, bytes, MADV_POPULATE_WRITE) == 0) return true;
+  if (errno != EINVAL) fail_room(name, bytes, errno, "madvise(MADV_POPULATE_WRITE)");
+#endif
+  const int fd = ::shm_open(name.c_str(), O_RDWR, 0600);
+  if (fd < 0) fail_errno("shm_open(reserve)", name, errno);
+  int err = 0;
+  do {
+    err = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+  } while (err == EINTR);
+  ::close(fd);
+  if (err != 0) fail_room(name, bytes, err, "posix_fallocate");
+  return false;
 }
 
 // Maps the segment, asking for transparent huge pages before any page is touched
@@ -83,9 +138,17 @@ std::shared_ptr<Mapping> Mapping::create(const std::string& name, size_t bytes, 
     ::shm_unlink(name.c_str());
     throw;
   }
+  bool populated = false;
+  try {
+    populated = reserve(data, bytes, name);
+  } catch (...) {
+    ::munmap(data, bytes);
+    ::shm_unlink(name.c_str());
+    throw;
+  }
   // Touching every page now allocates it, so copies from peers never take the first-touch
   // fault on the critical path.
-  if (touch) std::memset(data, 0, bytes);
+  if (touch && !populated) std::memset(data, 0, bytes);
   auto m = std::shared_ptr<Mapping>(new Mapping(name, data, bytes, true));
   m->huge_ = touch && huge_pages_at(data);
   return m;

@@ -13,8 +13,11 @@ namespace moekit::ep::detail {
 
 class Mapping {
  public:
-  // Creates name (exclusive), sizes it and maps it; touch = write every page once so later
-  // copies into it never fault.
+  // Creates name (exclusive), sizes it, maps it and takes every page (MADV_POPULATE_WRITE
+  // through the huge-page-advised mapping; posix_fallocate on kernels before 5.14); touch =
+  // make sure later copies into it never fault (populated pages already do not). Raises moekit::Error
+  // (quoting the size) when /dev/shm cannot hold it, never leaving a mapping whose first
+  // write past the free space would be a SIGBUS; the name is removed again on any failure.
   static std::shared_ptr<Mapping> create(const std::string& name, size_t bytes, bool touch);
   // Maps an existing segment created by a peer, whole (size from the file; pages populated
   // up front unless populate is false).
