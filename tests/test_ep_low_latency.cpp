@@ -1177,15 +1177,23 @@ TEST(EpLowLatency, TwoResultsLiveOfDifferentHiddenSizes) {
   expect_combined(cb.combined_x, expected_combined(wb, Fmt::bf16, Expert::scaled, no_mask()), wb, "B combined_x");
 }
 
-// The other order (review finding, 2026-12-03): A (H = 7168), then B (H = 128), and B
-// combined first. Its combine takes A's half, where B's own layout had put the staged rows and
-// the output inside A's received rows; the combine block now ends where the half does.
+// The other order (review finding, 2026-12-03): A (H = 1024, 8 tokens at most), then B
+// (H = 128, 32 at most), and B combined first. Its combine takes A's half, where B's own layout
+// put the staged rows and the output inside A's received rows (B's dispatch regions end about
+// 27 KiB into the half, A's received rows span about 17 to 49 KiB); the combine block now ends
+// where the half does.
 TEST(EpLowLatency, CombineOfASmallerResultKeepsTheLargerLive) {
   const int R = num_ranks();
   if (R < 2) GTEST_SKIP() << "needs two ranks";
-  LLSpec sa = ll_spec(7168, 1, 2, 8, tokens_per_rank([](int) { return int64_t{8}; }), 610, Data::random);
+  // Every token to every expert (one per rank), so that every received row of A is valid.
+  LLSpec sa = ll_spec(1024, 1, R, 8, tokens_per_rank([](int) { return int64_t{8}; }), 610, Data::random);
+  sa.p_drop_entry = sa.p_drop_token = sa.p_repeat = 0;
+  sa.router = [R](int, int64_t, int64_t* row, float*) {
+    for (int j = 0; j < R; ++j) row[j] = j;
+  };
   LLSpec sb = sa;
   sb.hidden = 128;
+  sb.max_tokens = 32;
   sb.seed = 611;
   sb.data = Data::rank_encoded;
   const LLWorld wa = make_ll_world(sa), wb = make_ll_world(sb);
