@@ -117,6 +117,21 @@ TEST(Tensor, ZerosReallyZero) {
   for (int i = 0; i < 4; ++i) EXPECT_EQ(zi.data_ptr<int64_t>()[i], 0);
 }
 
+// A strided source sharing memory with the destination (review finding, 2026-12-03):
+// x.copy_from(x.t()) gave 0 3 6 3 4 7 6 7 8, reading values it had already overwritten.
+TEST(Tensor, CopyFromAnOverlappingViewCopiesTheValues) {
+  Tensor x = Tensor::empty({3, 3}, DType::f32);
+  for (int i = 0; i < 9; ++i) x.data_ptr<float>()[i] = static_cast<float>(i);
+  x.copy_from(x.t());
+  const float want[9] = {0, 3, 6, 1, 4, 7, 2, 5, 8};
+  for (int i = 0; i < 9; ++i) EXPECT_EQ(x.data_ptr<float>()[i], want[i]) << i;
+  // Shifted by one row inside one buffer, strided: the values the source held before.
+  Tensor y = Tensor::empty({4, 3}, DType::f32);
+  for (int i = 0; i < 12; ++i) y.data_ptr<float>()[i] = static_cast<float>(i);
+  y.slice(0, 1, 4).t().copy_from(y.slice(0, 0, 3).t());
+  for (int i = 0; i < 12; ++i) EXPECT_EQ(y.data_ptr<float>()[i], static_cast<float>(i < 3 ? i : i - 3)) << i;
+}
+
 TEST(Tensor, ZeroSizedTensors) {
   const Tensor a = Tensor::empty({0, 5}, DType::f32);
   EXPECT_TRUE(a.defined());

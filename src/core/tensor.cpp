@@ -242,8 +242,8 @@ Tensor Tensor::reshape(const Shape& shape) const {
       infer = static_cast<int64_t>(i);
     } else if (resolved[i] < 0) {
       fail("Tensor::reshape", "shape", "non-negative extents and at most one -1", shape_str(shape));
-    } else {
-      known *= resolved[i];
+    } else if (__builtin_mul_overflow(known, resolved[i], &known)) {
+      fail("Tensor::reshape", "shape", "extents whose product fits in int64", shape_str(shape));
     }
   }
   if (infer >= 0) resolved[infer] = known == 0 ? 0 : numel() / known;
@@ -268,6 +268,22 @@ void Tensor::copy_from(const Tensor& src) const {
   const size_t es = element_size();
   if (is_contiguous() && src.is_contiguous()) {  // the common case: one block
     std::memmove(data_, src.data_, static_cast<size_t>(n) * es);
+    return;
+  }
+  // A strided source that shares memory with this tensor (x.copy_from(x.t())): element by
+  // element it would read values this copy already overwrote, so it goes through a copy.
+  auto span_end = [es](const Tensor& t) {  // one past the last byte the view reaches
+    int64_t last = 0;
+    for (int64_t k = 0; k < t.dim(); ++k) last += (t.size(k) - 1) * std::abs(t.stride(k));
+    return static_cast<const char*>(t.data()) + (last + 1) * static_cast<int64_t>(es);
+  };
+  const auto* s0 = static_cast<const char*>(src.data_);
+  const auto* d0 = static_cast<const char*>(data_);
+  const bool same_view = src.data_ == data_ && src.strides_ == strides_;  // (a harmless self-copy)
+  if (!same_view && s0 < span_end(*this) && d0 < span_end(src)) {
+    Tensor staged = Tensor::empty(shape_, dtype_);
+    staged.copy_from(src);
+    copy_from(staged);
     return;
   }
   // Walk both index spaces in row-major order with an odometer over the shape.

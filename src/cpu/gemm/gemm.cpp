@@ -17,8 +17,11 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
+#include <limits>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "core/check.h"
 #include "core/scratch.h"
@@ -467,18 +470,32 @@ void run_gemm(const char* fn, GemmOperand a, GemmOperand b, const Output& out, c
 
 // C is D itself (accumulating in place) or lies apart from it: a C that partly overlaps D
 // would be read after some of it was overwritten (and by other threads).
-void check_c_apart_from_d(const char* fn, const Tensor& d, const Tensor& c) {
-  if (!c.defined() || c.numel() == 0 || d.numel() == 0) return;
-  if (c.data() == d.data() && c.shape() == d.shape() && c.strides() == d.strides()) return;
+// Whether the byte ranges two views reach intersect (a conservative test: interleaved views
+// of one buffer count as overlapping).
+bool ranges_overlap(const Tensor& x, const Tensor& y) {
+  if (!x.defined() || !y.defined() || x.numel() == 0 || y.numel() == 0) return false;
   auto extent = [](const Tensor& t) {  // one past the last byte a view reaches (strides >= 0)
     int64_t last = 0;
     for (int64_t i = 0; i < t.dim(); ++i) last += (t.size(i) - 1) * t.stride(i);
     return static_cast<const uint8_t*>(t.data()) + (last + 1) * t.element_size();
   };
-  const auto* c0 = static_cast<const uint8_t*>(c.data());
-  const auto* d0 = static_cast<const uint8_t*>(d.data());
-  if (c0 < extent(d) && d0 < extent(c))
-    fail(fn, "c", "d itself (in place) or memory apart from d", "a view that partly overlaps d");
+  const auto* x0 = static_cast<const uint8_t*>(x.data());
+  const auto* y0 = static_cast<const uint8_t*>(y.data());
+  return x0 < extent(y) && y0 < extent(x);
+}
+
+// C is D itself (accumulating in place) or lies apart from it: a C that partly overlaps D
+// would be read after some of it was overwritten (and by other threads).
+void check_c_apart_from_d(const char* fn, const Tensor& d, const Tensor& c) {
+  if (!c.defined() || (c.data() == d.data() && c.shape() == d.shape() && c.strides() == d.strides())) return;
+  if (ranges_overlap(c, d)) fail(fn, "c", "d itself (in place) or memory apart from d", "a view that partly overlaps d");
+}
+
+// D lies apart from the operands (and their scales): the kernels read them after writing
+// parts of D (review finding, 2026-12-03: bf16_gemm_nt(a, b, a) was accepted).
+void check_d_apart(const char* fn, const Tensor& d, std::initializer_list<std::pair<const char*, const Tensor*>> inputs) {
+  for (const auto& [arg, t] : inputs)
+    if (ranges_overlap(d, *t)) fail(fn, "d", std::string("memory apart from ") + arg, std::string("a view that overlaps ") + arg);
 }
 
 std::string dims(int64_t a, int64_t b) { return shape_str({a, b}); }
@@ -549,7 +566,9 @@ void bf16_gemm(const char* fn, Side sa, Side sb, const Tensor& a, const Tensor& 
   const GemmOperand ga = describe(fn, "a", a, sa == Side::n, {DType::bf16});
   const GemmOperand gb = describe(fn, "b", b, sb == Side::t, {DType::bf16});
   check_k(fn, ga, gb);
-  run_gemm(fn, ga, gb, describe_output(fn, d, c, ga.mn, gb.mn));
+  const Output out = describe_output(fn, d, c, ga.mn, gb.mn);
+  check_d_apart(fn, d, {{"a", &a}, {"b", &b}});
+  run_gemm(fn, ga, gb, out);
 }
 
 OperandRecipe resolve(const GemmOptions& o, bool is_a, bool any_fp4) {
@@ -583,7 +602,9 @@ void scaled_gemm(const char* fn, Side sa, Side sb, const Quantized& a, const Qua
   const bool any_fp4 = a_fp4 || b_fp4;
   attach_scales(fn, "a.sf", ga, a.sf, resolve(options, true, any_fp4));
   attach_scales(fn, "b.sf", gb, b.sf, resolve(options, false, any_fp4));
-  run_gemm(fn, ga, gb, describe_output(fn, d, c, ga.mn, gb.mn));
+  const Output out = describe_output(fn, d, c, ga.mn, gb.mn);
+  check_d_apart(fn, d, {{"a.values", &a.values}, {"a.sf", &a.sf}, {"b.values", &b.values}, {"b.sf", &b.sf}});
+  run_gemm(fn, ga, gb, out);
 }
 
 }  // namespace
@@ -659,7 +680,9 @@ PackedWeights pack_fp8_fp4_weights(const Quantized& b, bool k_major, const GemmO
 }
 
 void bf16_gemm_packed(const Tensor& a, const PackedWeights& b, const Tensor& d, const Tensor& c) {
-  run_packed("bf16_gemm_packed", describe("bf16_gemm_packed", "a", a, true, {DType::bf16}), b, d, c);
+  const GemmOperand ga = describe("bf16_gemm_packed", "a", a, true, {DType::bf16});
+  check_d_apart("bf16_gemm_packed", d, {{"a", &a}});
+  run_packed("bf16_gemm_packed", ga, b, d, c);
 }
 
 void fp8_fp4_gemm_packed(const Quantized& a, const PackedWeights& b, const Tensor& d, const Tensor& c,
@@ -669,6 +692,7 @@ void fp8_fp4_gemm_packed(const Quantized& a, const PackedWeights& b, const Tenso
   const bool a_fp4 = ga.dtype == DType::e2m1x2;
   if (a_fp4 && b.defined()) resolve_packed_extent(fn, "a.values", ga.k, b.k(), ga.k / 2);
   attach_scales(fn, "a.sf", ga, a.sf, resolve(options, true, a_fp4 || b.source_dtype() == DType::e2m1x2));
+  check_d_apart(fn, d, {{"a.values", &a.values}, {"a.sf", &a.sf}});
   run_packed(fn, ga, b, d, c);
 }
 
@@ -707,6 +731,8 @@ int64_t get_tma_aligned_size(int64_t mn, int64_t element_size) {
     fail("get_tma_aligned_size", "element_size", "1, 2, 4, 8 or 16", std::to_string(element_size));
   if (mn < 0) fail("get_tma_aligned_size", "mn", "mn >= 0", std::to_string(mn));
   const int64_t align = 16 / element_size;
+  if (mn > std::numeric_limits<int64_t>::max() - align)
+    fail("get_tma_aligned_size", "mn", "a size whose alignment fits in int64", std::to_string(mn));
   return ceil_div(mn, align) * align;
 }
 

@@ -11,6 +11,20 @@
 
 namespace moekit::detail {
 
+// Decoders that yield value / pre (pre a power of two: e4m3 through f16 gives value / 256,
+// e2m1 through its doubled table 2 x value) take scale x pre as one multiplier. That product
+// must be exact: it is not for |scale| >= 2^120 with pre = 256 (it overflows) or for
+// subnormal scales with pre = 1/2. Then {mul = pre, sc = scale}: raw x mul (exact) x sc gives
+// value x scale rounded once, as the portable decoder does; else {1, scale x pre}.
+struct SplitScale {
+  float mul, sc;
+};
+inline SplitScale split_scale(float scale, float pre) {
+  const float sp = scale * pre;
+  if (sp / pre == scale || scale != scale) return {1.0f, sp};
+  return {pre, scale};
+}
+
 // One GEMM operand seen as a logical [MN, K] matrix, whatever its storage.
 struct GemmOperand {
   const uint8_t* data = nullptr;

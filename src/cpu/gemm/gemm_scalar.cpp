@@ -34,6 +34,11 @@ struct G {
   static F8 load8(const float* p) { F8 r; std::memcpy(r.v, p, sizeof r.v); return r; }
   static void store8(float* p, const F8& x) { std::memcpy(p, x.v, sizeof x.v); }
   static F8 bcast8(float x) { F8 r; for (float& e : r.v) e = x; return r; }
+  static F8 mul8(const F8& a, const F8& b) {
+    F8 r;
+    for (int i = 0; i < 8; ++i) r.v[i] = a.v[i] * b.v[i];
+    return r;
+  }
   static F8 fma8(const F8& a, const F8& b, const F8& c) {
     F8 r;
     for (int i = 0; i < 8; ++i) r.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
