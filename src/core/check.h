@@ -25,6 +25,10 @@ void check_positive(const char* fn, const char* arg, int64_t value);
 void check_cpu_matrix(const char* fn, const char* arg, const Tensor& t,
                       std::initializer_list<DType> allowed);
 
+// Whether the byte ranges two views reach intersect (conservative: interleaved views of one
+// buffer count as overlapping); false when either is undefined or empty.
+bool views_overlap(const Tensor& x, const Tensor& y);
+
 // a >= 0, b > 0; no intermediate overflow even for b near INT64_MAX.
 inline int64_t ceil_div(int64_t a, int64_t b) { return a / b + (a % b != 0); }
 

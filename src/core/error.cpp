@@ -59,6 +59,20 @@ void check_positive(const char* fn, const char* arg, int64_t value) {
   if (value <= 0) fail(fn, arg, "a positive value", std::to_string(value));
 }
 
+bool views_overlap(const Tensor& x, const Tensor& y) {
+  if (!x.defined() || !y.defined() || x.numel() == 0 || y.numel() == 0) return false;
+  auto span = [](const Tensor& t, const char*& first) {  // [first, one past the last byte)
+    int64_t low = 0, high = 0;
+    for (int64_t i = 0; i < t.dim(); ++i) (t.stride(i) < 0 ? low : high) += (t.size(i) - 1) * t.stride(i);
+    first = static_cast<const char*>(t.data()) + low * static_cast<int64_t>(t.element_size());
+    return static_cast<const char*>(t.data()) + (high + 1) * static_cast<int64_t>(t.element_size());
+  };
+  const char *x0 = nullptr, *y0 = nullptr;
+  const char* x1 = span(x, x0);
+  const char* y1 = span(y, y0);
+  return x0 < y1 && y0 < x1;
+}
+
 void check_cpu_matrix(const char* fn, const char* arg, const Tensor& t,
                       std::initializer_list<DType> allowed) {
   check_cpu(fn, arg, t);

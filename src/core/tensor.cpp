@@ -272,15 +272,8 @@ void Tensor::copy_from(const Tensor& src) const {
   }
   // A strided source that shares memory with this tensor (x.copy_from(x.t())): element by
   // element it would read values this copy already overwrote, so it goes through a copy.
-  auto span_end = [es](const Tensor& t) {  // one past the last byte the view reaches
-    int64_t last = 0;
-    for (int64_t k = 0; k < t.dim(); ++k) last += (t.size(k) - 1) * std::abs(t.stride(k));
-    return static_cast<const char*>(t.data()) + (last + 1) * static_cast<int64_t>(es);
-  };
-  const auto* s0 = static_cast<const char*>(src.data_);
-  const auto* d0 = static_cast<const char*>(data_);
   const bool same_view = src.data_ == data_ && src.strides_ == strides_;  // (a harmless self-copy)
-  if (!same_view && s0 < span_end(*this) && d0 < span_end(src)) {
+  if (!same_view && detail::views_overlap(*this, src)) {
     Tensor staged = Tensor::empty(shape_, dtype_);
     staged.copy_from(src);
     copy_from(staged);

@@ -470,32 +470,11 @@ void run_gemm(const char* fn, GemmOperand a, GemmOperand b, const Output& out, c
 
 // C is D itself (accumulating in place) or lies apart from it: a C that partly overlaps D
 // would be read after some of it was overwritten (and by other threads).
-// Whether the byte ranges two views reach intersect (a conservative test: interleaved views
-// of one buffer count as overlapping).
-bool ranges_overlap(const Tensor& x, const Tensor& y) {
-  if (!x.defined() || !y.defined() || x.numel() == 0 || y.numel() == 0) return false;
-  auto extent = [](const Tensor& t) {  // one past the last byte a view reaches (strides >= 0)
-    int64_t last = 0;
-    for (int64_t i = 0; i < t.dim(); ++i) last += (t.size(i) - 1) * t.stride(i);
-    return static_cast<const uint8_t*>(t.data()) + (last + 1) * t.element_size();
-  };
-  const auto* x0 = static_cast<const uint8_t*>(x.data());
-  const auto* y0 = static_cast<const uint8_t*>(y.data());
-  return x0 < extent(y) && y0 < extent(x);
-}
-
-// C is D itself (accumulating in place) or lies apart from it: a C that partly overlaps D
-// would be read after some of it was overwritten (and by other threads).
-void check_c_apart_from_d(const char* fn, const Tensor& d, const Tensor& c) {
-  if (!c.defined() || (c.data() == d.data() && c.shape() == d.shape() && c.strides() == d.strides())) return;
-  if (ranges_overlap(c, d)) fail(fn, "c", "d itself (in place) or memory apart from d", "a view that partly overlaps d");
-}
-
 // D lies apart from the operands (and their scales): the kernels read them after writing
 // parts of D (review finding, 2026-12-03: bf16_gemm_nt(a, b, a) was accepted).
 void check_d_apart(const char* fn, const Tensor& d, std::initializer_list<std::pair<const char*, const Tensor*>> inputs) {
   for (const auto& [arg, t] : inputs)
-    if (ranges_overlap(d, *t)) fail(fn, "d", std::string("memory apart from ") + arg, std::string("a view that overlaps ") + arg);
+    if (detail::views_overlap(d, *t)) fail(fn, "d", std::string("memory apart from ") + arg, std::string("a view that overlaps ") + arg);
 }
 
 std::string dims(int64_t a, int64_t b) { return shape_str({a, b}); }
@@ -549,7 +528,7 @@ Output describe_output(const char* fn, const Tensor& d, const Tensor& c, int64_t
   if (c.defined()) {
     detail::check_cpu_matrix(fn, "c", c, {d.dtype()});
     detail::check_shape(fn, "c", c, {m, n});
-    check_c_apart_from_d(fn, d, c);
+    detail::check_c_apart_from_d(fn, d, c);
     out.c = static_cast<const uint8_t*>(c.data());
     out.c_dtype = c.dtype();
     out.ldc = c.stride(0);
@@ -665,7 +644,13 @@ void run_packed(const char* fn, const GemmOperand& a, const PackedWeights& b, co
 namespace detail {
 DenseValidationOnly::DenseValidationOnly() : previous_(t_validation_only) { t_validation_only = true; }
 DenseValidationOnly::~DenseValidationOnly() { t_validation_only = previous_; }
-void check_c_apart_from_d(const char* fn, const Tensor& d, const Tensor& c) { moekit::check_c_apart_from_d(fn, d, c); }
+
+// C is D itself (accumulating in place) or lies apart from it: a C that partly overlaps D
+// would be read after some of it was overwritten (and by other threads).
+void check_c_apart_from_d(const char* fn, const Tensor& d, const Tensor& c) {
+  if (!c.defined() || (c.data() == d.data() && c.shape() == d.shape() && c.strides() == d.strides())) return;
+  if (views_overlap(c, d)) fail(fn, "c", "d itself (in place) or memory apart from d", "a view that partly overlaps d");
+}
 }  // namespace detail
 
 PackedWeights pack_bf16_weights(const Tensor& b, bool k_major) {

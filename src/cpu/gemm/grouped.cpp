@@ -214,6 +214,19 @@ void check_k_grouped_output(const char* fn, const Tensor& d, const Tensor& c, co
   detail::check_c_apart_from_d(fn, d, c);  // (group g + 1's C must not be group g's D)
 }
 
+// The k-grouped calls: every group with rows checked first, computing nothing (their K
+// differ, so each is), then every group run: group(g) makes group g's dense call.
+template <class Group>
+void run_k_groups(const std::vector<int64_t>& off, Group group) {
+  const auto groups = static_cast<int64_t>(off.size()) - 1;
+  {
+    detail::DenseValidationOnly checks_only;
+    for (int64_t g = 0; g < groups; ++g)
+      if (off[g + 1] > off[g]) group(g);
+  }
+  for (int64_t g = 0; g < groups; ++g) group(g);
+}
+
 // Group g of a k-grouped call: D[g] = C[g] + the dense product, or with K = 0 exactly C[g]
 // (zeros without C): a dense call would add +0 and turn a C of -0 into +0.
 template <class Dense>
@@ -331,12 +344,7 @@ void k_grouped_bf16_gemm_tn_contiguous(const Tensor& a, const Tensor& b, const T
       });
     });
   };
-  {
-    detail::DenseValidationOnly checks_only;  // (every group's K differs: each is checked)
-    for (int64_t g = 0; g < groups; ++g)
-      if (off[g + 1] > off[g]) group(g);
-  }
-  for (int64_t g = 0; g < groups; ++g) group(g);
+  run_k_groups(off, group);
 }
 
 void k_grouped_fp8_gemm_tn_contiguous(const Quantized& a, const Quantized& b, const Tensor& d,
@@ -368,12 +376,7 @@ void k_grouped_fp8_gemm_tn_contiguous(const Quantized& a, const Quantized& b, co
       });
     });
   };
-  {
-    detail::DenseValidationOnly checks_only;
-    for (int64_t g = 0; g < groups; ++g)
-      if (off[g + 1] > off[g]) group(g);
-  }
-  for (int64_t g = 0; g < groups; ++g) group(g);
+  run_k_groups(off, group);
 }
 
 int64_t get_mk_alignment_for_contiguous_layout() { return g_alignment.load(); }
