@@ -329,8 +329,174 @@ struct V {
 
 #include "formats_simd.inc"
 
+// ---- per-block bf16 -> e4m3 casts through per-scale thresholds ----
+// As on AVX-512 (formats_avx512.cpp, "per-block bf16 -> e4m3 casts through code tables"):
+// with sf = 2^k·f (1 <= f < 2) and P the bf16 pattern of |x| / 2^k (|x|'s minus k << 7), a
+// normal code is 8·(P >> 7) + c(m), m = P & 127, where c depends on f alone (scaling by 2^e
+// commutes with both roundings while the quotient stays normal). AVX2 has no 128-word
+// permute, but c is a staircase: over m = 0..127 the quotient grows by a factor of two, so c
+// climbs by 8 in steps at least 8 apart in m (the quotient's e4m3 spacing, 2^e / 8, is 8·f or
+// 16·f in units of m). Each run of 8 m therefore holds at most one step, and c(m) =
+// C + A[m >> 3] + (m & 7 >= S[m >> 3]): two vpshufb on the 16 runs. On byte lanes that is
+// about 32 ops per 32 codes, against about 55 for the quotient kernel (two FMAs, the rounding
+// on 32-bit lanes, the packing), most of which compete for Zen 3's two FMA / shuffle pipes.
+// The table of a scale comes from the general kernel's codes of 128 probes (as on AVX-512) and
+// is checked to be such a staircase; if not, the scale gets kNoTable and the general kernel.
+// Lanes between the zero region and the normal one (x / 2^k in (2^-10, 2^-5): quotients in or
+// near the e4m3 subnormals) send their 64-element step to the general kernel.
+constexpr int kTableExponent = 130;  // bf16 exponent field of the probes 2^(3+k)·(1 + m/128)
+constexpr int16_t kNoTable = INT16_MIN;
+
+// The words of a scale's table (kE4m3TableWords int16): word 0 is C less 8·kTableExponent (or
+// kNoTable); bytes 16-31 hold A[16], bytes 32-47 hold S[16] - 1 (7: no step in that run).
+constexpr int kStepsAt = 16, kFirstsAt = 32;
+
+void e4m3_tables(const float* sf, int64_t groups, int16_t* tables) {
+  alignas(32) uint16_t probe[kE4m3TableWords];
+  uint8_t codes[kE4m3TableWords];
+  for (int64_t g = 0; g < groups; ++g) {
+    int16_t* table = tables + g * kE4m3TableWords;
+    table[0] = kNoTable;
+    if (!table_scale(sf[g])) continue;
+    for (int m = 0; m < kE4m3TableWords; ++m) probe[m] = static_cast<uint16_t>(((kTableExponent << 7) + table_shift(sf[g])) | m);
+    quantize_span<E4M3, uint16_t, false, false, false>(probe, codes, kE4m3TableWords, sf + g, Reciprocals{}, nullptr);
+    auto* bytes = reinterpret_cast<uint8_t*>(table);
+    bool staircase = true;
+    for (int run = 0; run < 16; ++run) {
+      const int first = codes[8 * run];
+      int step = 8;  // the first r in 1..7 whose code is one above the run's first
+      for (int r = 1; r < 8; ++r) {
+        const int rise = codes[8 * run + r] - first;
+        if (rise == 1 && step == 8) step = r;
+        staircase &= rise == (r >= step ? 1 : 0);
+      }
+      bytes[kStepsAt + run] = static_cast<uint8_t>(first - codes[0]);
+      bytes[kFirstsAt + run] = static_cast<uint8_t>(step - 1);
+    }
+    if (staircase) table[0] = static_cast<int16_t>(codes[0] - 8 * kTableExponent);
+  }
+}
+
+struct ThresholdTable {
+  __m256i base, steps, firsts;  // C (words), A and S - 1 (bytes, in both 128-bit halves)
+  explicit ThresholdTable(const int16_t* table)
+      : base(_mm256_set1_epi16(table[0])),
+        steps(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(table) + kStepsAt / 16))),
+        firsts(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(table) + kFirstsAt / 16))) {}
+};
+
+// Codes of 32 bf16 lanes (v0: elements 0-15, v1: 16-31) in element order, with shift0 / shift1
+// the lanes' k << 7. band: lane-wise unsigned min of P - 0x3a81 (signed saturation), which is
+// below 0x27f exactly for lanes in the band that the table cannot answer (see above).
+inline __m256i threshold_codes(__m256i v0, __m256i v1, __m256i shift0, __m256i shift1, const ThresholdTable& t, __m256i& band) {
+  const __m256i magnitude = _mm256_set1_epi16(0x7fff), low7 = _mm256_set1_epi16(0x7f);
+  const __m256i p0 = _mm256_sub_epi16(_mm256_and_si256(v0, magnitude), shift0);
+  const __m256i p1 = _mm256_sub_epi16(_mm256_and_si256(v1, magnitude), shift1);
+  const __m256i zero_to = _mm256_set1_epi16(0x3a81);
+  band = _mm256_min_epu16(band, _mm256_min_epu16(_mm256_subs_epi16(p0, zero_to), _mm256_subs_epi16(p1, zero_to)));
+  // 8·(P >> 7) + C, saturated to int8: tiny lanes (P <= 0x3a80, arithmetic shift for P < 0)
+  // come out at -15 or below even with A and the step added, and are clamped to 0.
+  const __m256i exponent8 = _mm256_set1_epi16(static_cast<int16_t>(0xfff8));
+  const __m256i h0 = _mm256_add_epi16(_mm256_and_si256(_mm256_srai_epi16(p0, 4), exponent8), t.base);
+  const __m256i h1 = _mm256_add_epi16(_mm256_and_si256(_mm256_srai_epi16(p1, 4), exponent8), t.base);
+  // packs / packus put elements 0-7, 16-23, 8-15, 24-31 in the four qwords; permq restores order.
+  const __m256i top = _mm256_packs_epi16(h0, h1);
+  const __m256i m = _mm256_packus_epi16(_mm256_and_si256(p0, low7), _mm256_and_si256(p1, low7));
+  const __m256i run = _mm256_and_si256(_mm256_srli_epi16(m, 3), _mm256_set1_epi8(15));
+  const __m256i stepped = _mm256_cmpgt_epi8(_mm256_and_si256(m, _mm256_set1_epi8(7)), _mm256_shuffle_epi8(t.firsts, run));
+  __m256i code = _mm256_subs_epi8(_mm256_adds_epi8(top, _mm256_shuffle_epi8(t.steps, run)), stepped);
+  // (capped at 126, 448: no finite value can become the NaN code, whatever the caller's bound)
+  code = _mm256_min_epu8(_mm256_max_epi8(code, _mm256_setzero_si256()), _mm256_set1_epi8(0x7e));
+  const __m256i sign = _mm256_and_si256(_mm256_packs_epi16(v0, v1), _mm256_set1_epi8(static_cast<char>(0x80)));
+  return _mm256_permute4x64_epi64(_mm256_or_si256(code, sign), 0xd8);
+}
+
+inline bool band_hit(__m256i band) {
+  const __m256i below = _mm256_subs_epu16(_mm256_set1_epi16(0x27f), band);
+  return !_mm256_testz_si256(below, below);
+}
+
+inline __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+
+template <bool Stream>
+void e4m3_rows_by_thresholds(const uint16_t* x, uint8_t* q, int64_t n, const float* sf, int64_t gran, const int16_t* tables,
+                             const uint16_t* prefetch) {
+  for (int64_t g = 0, i = 0; i < n; ++g) {
+    const int64_t end = min64(n, i + gran);
+    const int16_t* table = tables + g * kE4m3TableWords;
+    if (table[0] == kNoTable) {  // (the scale may be inf or NaN: no bound)
+      quantize_span<E4M3, uint16_t, false, false, false>(x + i, q + i, end - i, sf + g, Reciprocals{}, nullptr);
+      i = end;
+      continue;
+    }
+    const ThresholdTable t(table);
+    const __m256i shift = _mm256_set1_epi16(table_shift(sf[g]));
+    for (; i + 64 <= end; i += 64) {
+      if (prefetch) V::prefetch_step(prefetch, i);
+      __m256i band = _mm256_set1_epi16(-1);
+      const __m256i lo = threshold_codes(load256(x + i), load256(x + i + 16), shift, shift, t, band);
+      const __m256i hi = threshold_codes(load256(x + i + 32), load256(x + i + 48), shift, shift, t, band);
+      if (band_hit(band)) [[unlikely]] {
+        quantize_span<E4M3, uint16_t, false, false, true>(x + i, q + i, 64, sf + g, Reciprocals{}, nullptr);
+        continue;
+      }
+      V::put<Stream>(q + i, lo);
+      V::put<Stream>(q + i + 32, hi);
+    }
+    if (i < end) quantize_span<E4M3, uint16_t, false, false, true>(x + i, q + i, end - i, sf + g, Reciprocals{}, nullptr);
+    i = end;
+  }
+  if (Stream) _mm_sfence();
+}
+
+void quantize_e4m3_tables(const uint16_t* x, uint8_t* q, int64_t n, const float* sf, int64_t gran, const int16_t* tables,
+                          bool stream, const uint16_t* prefetch) {
+  if (stream) e4m3_rows_by_thresholds<true>(x, q, n, sf, gran, tables, prefetch);
+  else e4m3_rows_by_thresholds<false>(x, q, n, sf, gran, tables, prefetch);
+}
+
+// Per-channel casts under power-of-two scales: a shift per lane, and the unit scale's table.
+template <bool Stream>
+void e4m3_rows_by_shifts(const uint16_t* x, uint8_t* q, int64_t n, const float* sf, const int16_t* shift,
+                         const int16_t* unit_table, const uint16_t* prefetch) {
+  int64_t i = 0;
+  if (unit_table[0] != kNoTable) {
+    const ThresholdTable t(unit_table);
+    for (; i + 64 <= n; i += 64) {
+      if (prefetch) V::prefetch_step(prefetch, i);
+      __m256i band = _mm256_set1_epi16(-1);
+      const __m256i lo = threshold_codes(load256(x + i), load256(x + i + 16), load256(shift + i), load256(shift + i + 16), t, band);
+      const __m256i hi =
+          threshold_codes(load256(x + i + 32), load256(x + i + 48), load256(shift + i + 32), load256(shift + i + 48), t, band);
+      if (band_hit(band)) [[unlikely]] {
+        quantize_span<E4M3, uint16_t, true, false, false>(x + i, q + i, 64, sf + i, Reciprocals{}, nullptr);
+        continue;
+      }
+      V::put<Stream>(q + i, lo);
+      V::put<Stream>(q + i + 32, hi);
+    }
+  }
+  if (i < n) quantize_span<E4M3, uint16_t, true, false, false>(x + i, q + i, n - i, sf + i, Reciprocals{}, nullptr);
+  if (Stream) _mm_sfence();
+}
+
+void quantize_e4m3_shifts(const uint16_t* x, uint8_t* q, int64_t n, const float* sf, const int16_t* shift,
+                          const int16_t* unit_table, bool stream, const uint16_t* prefetch) {
+  if (stream) e4m3_rows_by_shifts<true>(x, q, n, sf, shift, unit_table, prefetch);
+  else e4m3_rows_by_shifts<false>(x, q, n, sf, shift, unit_table, prefetch);
+}
+
 }  // namespace
 
-const FormatKernels& format_kernels_avx2() { return make_table(); }
+const FormatKernels& format_kernels_avx2() {
+  static const FormatKernels table = [] {
+    FormatKernels t = make_table();
+    t.e4m3_tables = &e4m3_tables;
+    t.quantize_e4m3_tables = &quantize_e4m3_tables;
+    t.quantize_e4m3_shifts = &quantize_e4m3_shifts;
+    return t;
+  }();
+  return table;
+}
 
 }  // namespace moekit::detail
