@@ -5,12 +5,50 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 
 #include "../../core/check.h"  // ceil_div
 #include "format_kernels.h"
 
 namespace moekit::detail {
 namespace {
+
+// ---- bf16 -> e4m3 codes on byte lanes (per-scale staircases; see "per-block bf16 -> e4m3
+// casts through per-scale thresholds" below) ----
+// Lanes of 32 bf16 values (v0: elements 0-15, v1: 16-31) with shift0 / shift1 the lanes' k << 7
+// (sf = 2^k·f): P = |x|'s pattern - k << 7. All bytes in packs order: elements 0-7, 16-23,
+// 8-15, 24-31 in the four qwords (e4m3_finish restores element order).
+// top: 8·(P >> 7) + base, saturated to int8 (tiny lanes, P <= 0x3a80, with an arithmetic
+// shift for P < 0, come out at -15 or below even with the staircase added, and are clamped
+// to 0); mantissa: P & 127; sign: x's sign in bit 7. band: lane-wise unsigned min of
+// P - 0x3a81 (signed saturation), below 0x27f exactly for lanes in the band between the zero
+// region and the normal one (band_hit).
+struct E4m3Lanes {
+  __m256i top, mantissa, sign;
+};
+inline E4m3Lanes e4m3_lanes(__m256i v0, __m256i v1, __m256i shift0, __m256i shift1, __m256i base, __m256i& band) {
+  const __m256i magnitude = _mm256_set1_epi16(0x7fff), low7 = _mm256_set1_epi16(0x7f);
+  const __m256i p0 = _mm256_sub_epi16(_mm256_and_si256(v0, magnitude), shift0);
+  const __m256i p1 = _mm256_sub_epi16(_mm256_and_si256(v1, magnitude), shift1);
+  const __m256i zero_to = _mm256_set1_epi16(0x3a81);
+  band = _mm256_min_epu16(band, _mm256_min_epu16(_mm256_subs_epi16(p0, zero_to), _mm256_subs_epi16(p1, zero_to)));
+  const __m256i exponent8 = _mm256_set1_epi16(static_cast<int16_t>(0xfff8));
+  const __m256i h0 = _mm256_add_epi16(_mm256_and_si256(_mm256_srai_epi16(p0, 4), exponent8), base);
+  const __m256i h1 = _mm256_add_epi16(_mm256_and_si256(_mm256_srai_epi16(p1, 4), exponent8), base);
+  return {_mm256_packs_epi16(h0, h1), _mm256_packus_epi16(_mm256_and_si256(p0, low7), _mm256_and_si256(p1, low7)),
+          _mm256_and_si256(_mm256_packs_epi16(v0, v1), _mm256_set1_epi8(static_cast<char>(0x80)))};
+}
+// Codes in element order from the lanes' magnitudes (top plus the staircase) and signs.
+inline __m256i e4m3_finish(__m256i code, __m256i sign) {
+  // (capped at 126, 448: no finite value can become the NaN code, whatever the caller's bound)
+  code = _mm256_min_epu8(_mm256_max_epi8(code, _mm256_setzero_si256()), _mm256_set1_epi8(0x7e));
+  return _mm256_permute4x64_epi64(_mm256_or_si256(code, sign), 0xd8);
+}
+inline bool band_hit(__m256i band) {
+  const __m256i below = _mm256_subs_epu16(_mm256_set1_epi16(0x27f), band);
+  return !_mm256_testz_si256(below, below);
+}
+inline __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 
 struct V {
   static constexpr int N = 8;
@@ -165,6 +203,106 @@ struct V {
       }
       put<Stream>(q + i, _mm256_permute4x64_epi64(_mm256_packus_epi16(codes[0], codes[1]), 0xd8));
       put<Stream>(q + i + 32, _mm256_permute4x64_epi64(_mm256_packus_epi16(codes[2], codes[3]), 0xd8));
+    }
+    return fallback;
+  }
+  // ---- e4m3 codes of bf16 under f32 scales (formats_simd.inc: bf16_e4m3_threshold_codes) ----
+  // The per-block staircase (below, "per-block bf16 -> e4m3 casts through per-scale
+  // thresholds") made per group from the scale itself, without probes: of the 8 e4m3 rounding
+  // boundaries the quotients of m = 0..127 cross, boundary i lies between c = c0 + i and c + 1
+  // (c0 the code of RN(8 / f)), at b = (17 + 2r)·2^(e - 11) for c = 8e + r. Where c is even the
+  // tie at b goes down, so q > b, which in f32 means x / sf > b + ulp(b)/2; where c is odd it
+  // goes up, q >= b, x / sf >= b - ulp(b)/2 (ulp(b) = 2^(e - 30); the ties at those bounds
+  // round to b, whose f32 significand has five bits). With x = 2^(3+k)·(1 + m/128) that is m
+  // above (or at least) w - 128, w = f·((17 + 2r)·2^20 ± 1)·2^(e - 27): at most 50 significant
+  // bits, exact in f64, as is its ceiling. t_i is the least such m (1..128; 128: no step below the
+  // next binade), and a code is 8·(P >> 7) + c0 - 8·130 plus the count of t_i <= m: eight byte
+  // compares, where a probe table would cost a group as much as its codes.
+  static constexpr bool kE4m3Thresholds = true;
+  static constexpr int kThresholdChunk = 32;  // groups per e4m3_thresholds call
+  // For groups g < count <= kThresholdChunk: t[j·kThresholdChunk + g] holds the threshold of
+  // residue j (below) less one, in each of its bytes; base[g] = c0 - 8·130, shift[g] = k << 7.
+  // Returns the groups it takes (bit g): table_scale(sf[g]), with every sf positive normal (the
+  // caller's bound).
+  // The boundaries c0 + i (i = 0..7) are taken by residue r = c & 7 rather than in order: r
+  // fixes 17 + 2r and the tie's direction, and the boundary lies in c0's binade e0 for r >= r0
+  // (r0 = c0 & 7), in the next for r < r0. So w = G·K_r, G = f·2^(e0 - 27) per group, K_r one
+  // of two constants; counting needs no order.
+  static uint32_t e4m3_thresholds(const float* sf, int count, uint32_t* t, int16_t* base, int16_t* shift) {
+    alignas(16) float scales[kThresholdChunk];
+    for (int g = 0; g < kThresholdChunk; ++g) scales[g] = g < count ? sf[g] : 1.0f;
+    const __m128i one = _mm_set1_epi32(1);
+    const __m128i replicate = _mm_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
+    uint32_t take = 0;
+    for (int g = 0; g < count; g += 4) {
+      const __m128i bits = _mm_load_si128(reinterpret_cast<const __m128i*>(scales + g));
+      const __m128i field = _mm_srli_epi32(bits, 23);  // (with the sign bit: negative scales fail)
+      const __m128i in_range = _mm_and_si128(_mm_cmpgt_epi32(field, _mm_set1_epi32(127 - 100 - 1)),
+                                             _mm_cmplt_epi32(field, _mm_set1_epi32(127 + 100)));
+      take |= static_cast<uint32_t>(_mm_movemask_ps(_mm_castsi128_ps(in_range))) << g;
+      const __m128i k7 = _mm_slli_epi32(_mm_sub_epi32(field, _mm_set1_epi32(127)), 7);
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(shift + g), _mm_packs_epi32(k7, k7));
+      const __m128 f = _mm_castsi128_ps(_mm_or_si128(_mm_and_si128(bits, _mm_set1_epi32(0x007fffff)), _mm_set1_epi32(0x3f800000)));
+      // c0: the code of RN(8 / f), in (4, 8]: normal, rounded at bit 20 and re-biased by 120 << 23
+      const __m128i q0 = _mm_castps_si128(_mm_div_ps(_mm_set1_ps(8.0f), f));
+      const __m128i c0 = _mm_srli_epi32(
+          _mm_add_epi32(_mm_add_epi32(q0, _mm_set1_epi32((1 << 19) - 1 - (120 << 23))), _mm_and_si128(_mm_srli_epi32(q0, 20), one)), 20);
+      const __m128i b = _mm_sub_epi32(c0, _mm_set1_epi32(8 * 130));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(base + g), _mm_packs_epi32(b, b));
+      const __m256i e0 = _mm256_slli_epi64(_mm256_cvtepi32_epi64(_mm_add_epi32(_mm_srli_epi32(c0, 3), _mm_set1_epi32(1023 - 27))), 52);
+      const __m256d G = _mm256_mul_pd(_mm256_cvtps_pd(f), _mm256_castsi256_pd(e0));
+      const __m256d r0 = _mm256_cvtepi32_pd(_mm_and_si128(c0, _mm_set1_epi32(7)));
+      auto residue = [&](auto r_constant) {
+        constexpr int r = decltype(r_constant)::value;
+        // one f32 half-ulp above b (even c: the tie goes down, q must pass b) or below (odd c)
+        constexpr double n = (17 + 2 * r) * double(1 << 20) + (r % 2 ? -1 : 1);
+        const __m256d k = _mm256_blendv_pd(_mm256_set1_pd(n), _mm256_set1_pd(2 * n), _mm256_cmp_pd(_mm256_set1_pd(r), r0, _CMP_LT_OQ));
+        // The least m at or above y (odd c), or above it (even c): both are ceil(y), since y is
+        // never an integer (f·2^23 < 2^24 times the odd n, over 2^(50 - e0) with e0 <= 11).
+        const __m256d y = _mm256_fmsub_pd(G, k, _mm256_set1_pd(128.0));
+        const __m128i ti = _mm_min_epi32(_mm_max_epi32(_mm256_cvttpd_epi32(_mm256_ceil_pd(y)), one), _mm_set1_epi32(128));
+        _mm_store_si128(reinterpret_cast<__m128i*>(t + r * kThresholdChunk + g), _mm_shuffle_epi8(_mm_sub_epi32(ti, one), replicate));
+      };
+      [&]<int... r>(std::integer_sequence<int, r...>) { (residue(std::integral_constant<int, r>{}), ...); }(std::make_integer_sequence<int, 8>{});
+    }
+    return take & static_cast<uint32_t>((uint64_t{1} << count) - 1);
+  }
+  // Codes of n bf16 (a multiple of 64, at most 4096) from their groups' e4m3_thresholds (t,
+  // base and shift of the group x starts in, which has `into` of its gran elements behind
+  // it; the next groups follow in those arrays). A 64-element block holding a lane between the
+  // zero region and the normal one (band_hit) is left unwritten and flagged in the returned
+  // mask (bit b: x[64b, 64b + 64)), for the caller's general path.
+  template <bool Stream>
+  static uint64_t bf16_e4m3_by_thresholds(const uint16_t* x, uint8_t* q, int64_t n, int64_t gran, int64_t into, const uint32_t* t,
+                                          const int16_t* base, const int16_t* shift, const uint16_t* prefetch) {
+    __m256i thresholds[8], b, s;
+    auto load_group = [&] {
+      for (int j = 0; j < 8; ++j) thresholds[j] = _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float*>(t + j * kThresholdChunk)));
+      b = _mm256_set1_epi16(*base);
+      s = _mm256_set1_epi16(*shift);
+    };
+    auto codes = [&](const uint16_t* p, __m256i& band) {
+      const E4m3Lanes l = e4m3_lanes(load256(p), load256(p + 16), s, s, b, band);
+      __m256i code = l.top;
+      for (const __m256i& threshold : thresholds) code = _mm256_subs_epi8(code, _mm256_cmpgt_epi8(l.mantissa, threshold));
+      return e4m3_finish(code, l.sign);
+    };
+    load_group();
+    uint64_t fallback = 0;
+    for (int64_t i = 0, next = gran - into; i < n; i += 64) {
+      if (i == next) {
+        ++t, ++base, ++shift, next += gran;
+        load_group();
+      }
+      prefetch_step(prefetch, i);
+      __m256i band = _mm256_set1_epi16(-1);
+      const __m256i lo = codes(x + i, band), hi = codes(x + i + 32, band);
+      if (band_hit(band)) [[unlikely]] {
+        fallback |= uint64_t{1} << (i / 64);
+        continue;
+      }
+      put<Stream>(q + i, lo);
+      put<Stream>(q + i + 32, hi);
     }
     return fallback;
   }
@@ -385,38 +523,13 @@ struct ThresholdTable {
         firsts(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(table) + kFirstsAt / 16))) {}
 };
 
-// Codes of 32 bf16 lanes (v0: elements 0-15, v1: 16-31) in element order, with shift0 / shift1
-// the lanes' k << 7. band: lane-wise unsigned min of P - 0x3a81 (signed saturation), which is
-// below 0x27f exactly for lanes in the band that the table cannot answer (see above).
+// Codes of 32 bf16 lanes by a scale's table (see e4m3_lanes).
 inline __m256i threshold_codes(__m256i v0, __m256i v1, __m256i shift0, __m256i shift1, const ThresholdTable& t, __m256i& band) {
-  const __m256i magnitude = _mm256_set1_epi16(0x7fff), low7 = _mm256_set1_epi16(0x7f);
-  const __m256i p0 = _mm256_sub_epi16(_mm256_and_si256(v0, magnitude), shift0);
-  const __m256i p1 = _mm256_sub_epi16(_mm256_and_si256(v1, magnitude), shift1);
-  const __m256i zero_to = _mm256_set1_epi16(0x3a81);
-  band = _mm256_min_epu16(band, _mm256_min_epu16(_mm256_subs_epi16(p0, zero_to), _mm256_subs_epi16(p1, zero_to)));
-  // 8·(P >> 7) + C, saturated to int8: tiny lanes (P <= 0x3a80, arithmetic shift for P < 0)
-  // come out at -15 or below even with A and the step added, and are clamped to 0.
-  const __m256i exponent8 = _mm256_set1_epi16(static_cast<int16_t>(0xfff8));
-  const __m256i h0 = _mm256_add_epi16(_mm256_and_si256(_mm256_srai_epi16(p0, 4), exponent8), t.base);
-  const __m256i h1 = _mm256_add_epi16(_mm256_and_si256(_mm256_srai_epi16(p1, 4), exponent8), t.base);
-  // packs / packus put elements 0-7, 16-23, 8-15, 24-31 in the four qwords; permq restores order.
-  const __m256i top = _mm256_packs_epi16(h0, h1);
-  const __m256i m = _mm256_packus_epi16(_mm256_and_si256(p0, low7), _mm256_and_si256(p1, low7));
-  const __m256i run = _mm256_and_si256(_mm256_srli_epi16(m, 3), _mm256_set1_epi8(15));
-  const __m256i stepped = _mm256_cmpgt_epi8(_mm256_and_si256(m, _mm256_set1_epi8(7)), _mm256_shuffle_epi8(t.firsts, run));
-  __m256i code = _mm256_subs_epi8(_mm256_adds_epi8(top, _mm256_shuffle_epi8(t.steps, run)), stepped);
-  // (capped at 126, 448: no finite value can become the NaN code, whatever the caller's bound)
-  code = _mm256_min_epu8(_mm256_max_epi8(code, _mm256_setzero_si256()), _mm256_set1_epi8(0x7e));
-  const __m256i sign = _mm256_and_si256(_mm256_packs_epi16(v0, v1), _mm256_set1_epi8(static_cast<char>(0x80)));
-  return _mm256_permute4x64_epi64(_mm256_or_si256(code, sign), 0xd8);
+  const E4m3Lanes l = e4m3_lanes(v0, v1, shift0, shift1, t.base, band);
+  const __m256i run = _mm256_and_si256(_mm256_srli_epi16(l.mantissa, 3), _mm256_set1_epi8(15));
+  const __m256i stepped = _mm256_cmpgt_epi8(_mm256_and_si256(l.mantissa, _mm256_set1_epi8(7)), _mm256_shuffle_epi8(t.firsts, run));
+  return e4m3_finish(_mm256_subs_epi8(_mm256_adds_epi8(l.top, _mm256_shuffle_epi8(t.steps, run)), stepped), l.sign);
 }
-
-inline bool band_hit(__m256i band) {
-  const __m256i below = _mm256_subs_epu16(_mm256_set1_epi16(0x27f), band);
-  return !_mm256_testz_si256(below, below);
-}
-
-inline __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 
 template <bool Stream>
 void e4m3_rows_by_thresholds(const uint16_t* x, uint8_t* q, int64_t n, const float* sf, int64_t gran, const int16_t* tables,
