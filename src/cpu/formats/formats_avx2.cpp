@@ -306,6 +306,77 @@ struct V {
     }
     return fallback;
   }
+  // ---- e2m1 codes of bf16 under f32 scales (formats_simd.inc: bf16_e2m1_threshold_codes) ----
+  // As on AVX-512 (formats_avx512.cpp, "e2m1 casts of bf16 by thresholds per scale"): a code
+  // counts the rounding boundaries b = 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5 that q = RN(|x| / sf)
+  // passes, q > b where the tie goes down (to the even code), q >= b where it goes up; in f32
+  // that is |x| / sf > b + ulp(b)/2, or >= b - ulp(b)/2, bounds whose products with sf are
+  // exact in f64. The first bf16 at (or above) each product is the group's threshold T_b, and
+  // a code is seven 16-bit compares: no division (a vdivps per 8 codes bounded this cast).
+  static constexpr bool kE2m1Thresholds = true;
+  // For groups g < count <= kThresholdChunk: t[b·kThresholdChunk + g] holds T_b - 1 in both
+  // of its 16-bit halves, b = 0..6. Returns the groups it takes (bit g): sf from 2^-100 to below
+  // 2^100 (the bounds stay normal f32), every sf positive normal (the caller's bound).
+  static uint32_t e2m1_thresholds(const float* sf, int count, uint32_t* t) {
+    static constexpr double kBounds[7] = {0.25 + 0x1p-26, 0.75 - 0x1p-25, 1.25 + 0x1p-24, 1.75 - 0x1p-24,
+                                          2.5 + 0x1p-23,  3.5 - 0x1p-23,  5.0 + 0x1p-22};
+    static constexpr bool kStrict[7] = {true, false, true, false, true, false, true};
+    alignas(16) float scales[kThresholdChunk];
+    for (int g = 0; g < kThresholdChunk; ++g) scales[g] = g < count ? sf[g] : 1.0f;
+    uint32_t take = 0;
+    for (int g = 0; g < count; g += 4) {
+      const __m128i bits = _mm_load_si128(reinterpret_cast<const __m128i*>(scales + g));
+      const __m128i field = _mm_srli_epi32(bits, 23);  // (with the sign bit: negative scales fail)
+      const __m128i in_range = _mm_and_si128(_mm_cmpgt_epi32(field, _mm_set1_epi32(127 - 100 - 1)),
+                                             _mm_cmplt_epi32(field, _mm_set1_epi32(127 + 100)));
+      take |= static_cast<uint32_t>(_mm_movemask_ps(_mm_castsi128_ps(in_range))) << g;
+      const __m256d s = _mm256_cvtps_pd(_mm_castsi128_ps(bits));
+      for (int b = 0; b < 7; ++b) {
+        __m256d bound = _mm256_mul_pd(s, _mm256_set1_pd(kBounds[b]));
+        if (kStrict[b])  // the next double up: bf16 values above the bound reach it
+          bound = _mm256_castsi256_pd(_mm256_add_epi64(_mm256_castpd_si256(bound), _mm256_set1_epi64x(1)));
+        // the first f32 at or above the bound: the nearest, one up where that is below it
+        const __m128 nearest = _mm256_cvtpd_ps(bound);
+        const __m256d below = _mm256_cmp_pd(_mm256_cvtps_pd(nearest), bound, _CMP_LT_OQ);
+        const __m128i below32 = _mm_castps_si128(_mm_shuffle_ps(_mm256_castps256_ps128(_mm256_castpd_ps(below)),
+                                                                _mm256_extractf128_ps(_mm256_castpd_ps(below), 1), _MM_SHUFFLE(2, 0, 2, 0)));
+        const __m128i up = _mm_sub_epi32(_mm_castps_si128(nearest), below32);
+        // the first bf16 at or above it, less one, in both halves
+        const __m128i bf16 = _mm_sub_epi32(_mm_srli_epi32(_mm_add_epi32(up, _mm_set1_epi32(0xffff)), 16), _mm_set1_epi32(1));
+        _mm_store_si128(reinterpret_cast<__m128i*>(t + b * kThresholdChunk + g), _mm_or_si128(bf16, _mm_slli_epi32(bf16, 16)));
+      }
+    }
+    return take & static_cast<uint32_t>((uint64_t{1} << count) - 1);
+  }
+  // Packed codes of n bf16 (a multiple of 32) from their groups' e2m1_thresholds (t of the
+  // group x starts in, which has `into` of its gran elements behind it; gran a multiple of 32).
+  template <bool Stream>
+  static void bf16_e2m1_by_thresholds(const uint16_t* x, uint8_t* q, int64_t n, int64_t gran, int64_t into, const uint32_t* t,
+                                      const uint16_t* prefetch) {
+    __m256i thresholds[7];
+    auto load_group = [&] {
+      for (int b = 0; b < 7; ++b) thresholds[b] = _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float*>(t + b * kThresholdChunk)));
+    };
+    const __m256i magnitude = _mm256_set1_epi16(0x7fff), sign_code = _mm256_set1_epi16(8);
+    const __m256i nibble_pair = _mm256_set1_epi32(1 | 16 << 16), order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    auto codes = [&](__m256i v) {  // dword d: code[2d] | code[2d + 1] << 4
+      const __m256i a = _mm256_and_si256(v, magnitude);
+      __m256i code = _mm256_and_si256(_mm256_srli_epi16(v, 12), sign_code);
+      for (const __m256i& threshold : thresholds) code = _mm256_sub_epi16(code, _mm256_cmpgt_epi16(a, threshold));
+      return _mm256_madd_epi16(code, nibble_pair);
+    };
+    load_group();
+    for (int64_t i = 0, next = gran - into; i < n; i += 32) {
+      if (i == next) {
+        ++t, next += gran;
+        load_group();
+      }
+      if (prefetch && i % 64 == 0) prefetch_step(prefetch, i);
+      const __m256i words = _mm256_packus_epi32(codes(load256(x + i)), codes(load256(x + i + 16)));
+      const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(words, words), order);
+      put<Stream>(q + i / 2, _mm256_castsi256_si128(bytes));
+    }
+  }
   static F lut8(const float* table, I idx) { return _mm256_permutevar8x32_ps(_mm256_load_ps(table), idx); }
   static F to_float(I a) { return _mm256_cvtepi32_ps(a); }
   static int32_t hmax(I a) {

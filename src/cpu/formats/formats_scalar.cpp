@@ -18,7 +18,7 @@ struct V {
   static constexpr bool kBf16Amax = false;      // amax_groups widens bf16 like f32
   static constexpr bool kF16Decode = false;     // e4m3 decodes by bit arithmetic
   static constexpr bool kBf16Pow2Codes = false; // casts of bf16 widen to f32
-  static constexpr bool kE4m3Thresholds = false;  // (AVX2 only: formats_avx2.cpp)
+  static constexpr bool kE4m3Thresholds = false, kE2m1Thresholds = false;  // (AVX2 only: formats_avx2.cpp)
   static void fence() {}  // no streaming stores on this target
   static constexpr int N = 8;
   struct F { float v[N]; };
