@@ -1,6 +1,7 @@
 // AVX2 target (8 lanes). Compiled with -mavx2 -mfma -mf16c; only reached via dispatch.
 #include <immintrin.h>
 
+#include <array>
 #include <bit>
 #include <cstdint>
 #include <cstring>
@@ -49,6 +50,33 @@ inline bool band_hit(__m256i band) {
   return !_mm256_testz_si256(below, below);
 }
 inline __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+
+constexpr int kTableExponent = 130;  // bf16 exponent field of the probes 2^(3+k)·(1 + m/128)
+constexpr int16_t kNoTable = INT16_MIN;
+
+// The words of a scale's table (kE4m3TableWords int16): word 0 is C less 8·kTableExponent (or
+// kNoTable); bytes 16-31 hold A[16], bytes 32-47 hold S[16] - 1 (7: no step in that run).
+constexpr int kStepsAt = 16, kFirstsAt = 32;
+
+struct ThresholdTable {
+  __m256i base, steps, firsts;  // C (words), A and S - 1 (bytes, in both 128-bit halves)
+  explicit ThresholdTable(const int16_t* table)
+      : base(_mm256_set1_epi16(table[0])),
+        steps(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(table) + kStepsAt / 16))),
+        firsts(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(table) + kFirstsAt / 16))) {}
+};
+
+// Codes of 32 bf16 lanes by a scale's table (see e4m3_lanes).
+inline __m256i threshold_codes(__m256i v0, __m256i v1, __m256i shift0, __m256i shift1, const ThresholdTable& t, __m256i& band) {
+  const E4m3Lanes l = e4m3_lanes(v0, v1, shift0, shift1, t.base, band);
+  const __m256i run = _mm256_and_si256(_mm256_srli_epi16(l.mantissa, 3), _mm256_set1_epi8(15));
+  const __m256i stepped = _mm256_cmpgt_epi8(_mm256_and_si256(l.mantissa, _mm256_set1_epi8(7)), _mm256_shuffle_epi8(t.firsts, run));
+  return e4m3_finish(_mm256_subs_epi8(_mm256_adds_epi8(l.top, _mm256_shuffle_epi8(t.steps, run)), stepped), l.sign);
+}
+
+// The table of the scale 1.0 (e4m3_tables, below): per-channel and per-token casts under
+// power-of-two scales share it, with a shift per lane or per 32 elements.
+const int16_t* unit_e4m3_table();
 
 struct V {
   static constexpr int N = 8;
@@ -170,39 +198,31 @@ struct V {
       put<Stream>(q + i / 2, _mm256_permutevar8x32_epi32(bytes, order));
     }
   }
-  // e4m3 codes the same way (formats_simd.inc: bf16_pow2_codes): from 2^-6 up the code is the
-  // pattern rounded to nearest-even at bit 4 and re-biased; patterns at or below 2^-10 (half
-  // the least subnormal, a tie to 0) and the negative ones are 0. The e4m3 subnormals
-  // between take eight boundaries that are not worth testing for: a 64-element block holding
-  // one is left unwritten and flagged in the returned mask (bit b: x[64b, 64b + 64)), for the
-  // caller's general path. Codes are capped at 126 (448) so that no finite value can become
-  // the NaN code. n: a multiple of 64, at most 2048; shift as above.
+  // e4m3 codes under power-of-two scales (formats_simd.inc: bf16_pow2_codes): the unit scale's
+  // staircase table (threshold_codes) with the group's shift, 32 codes per two vpshufb; it
+  // replaced a 16-bit kernel that rounded the pattern at bit 4 (1.1x, per-block casts, Zen 3).
+  // A 64-element block holding a lane the table cannot answer (quotients in or near the e4m3
+  // subnormals) is left unwritten and flagged in the returned mask (bit b: x[64b, 64b + 64)),
+  // for the caller's general path. n: a multiple of 64, at most 2048; shift[b] = k << 7 of
+  // x[32b, 32b + 32).
   template <bool Stream>
   static uint32_t bf16_e4m3_pow2(const uint16_t* x, uint8_t* q, int64_t n, const int16_t* shift, const uint16_t* prefetch) {
-    const __m256i sign_code = _mm256_set1_epi16(0x80);
-    const __m256i one = _mm256_set1_epi16(1), seven = _mm256_set1_epi16(7), rebias = _mm256_set1_epi16(120 << 3);
-    const __m256i below_normal = _mm256_set1_epi16(0x3c7f), half_subnormal = _mm256_set1_epi16(0x3a80);
-    const __m256i max_code = _mm256_set1_epi16(0x7e);
+    const int16_t* unit = unit_e4m3_table();
+    if (unit[0] == kNoTable) return n >= 2048 ? ~uint32_t{0} : (uint32_t{1} << (n / 64)) - 1;  // (not expected)
+    const ThresholdTable t(unit);
     uint32_t fallback = 0;
     for (int64_t i = 0; i < n; i += 64) {
       prefetch_step(prefetch, i);
-      __m256i codes[4], subnormal = _mm256_setzero_si256();
-      for (int j = 0; j < 4; ++j) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i + 16 * j));
-        const __m256i y = pattern_over_scale(v, shift[i / 32 + j / 2]);
-        const __m256i lsb = _mm256_and_si256(_mm256_srli_epi16(y, 4), one);
-        const __m256i rounded = _mm256_srli_epi16(_mm256_add_epi16(y, _mm256_add_epi16(seven, lsb)), 4);
-        const __m256i normal = _mm256_cmpgt_epi16(y, below_normal);
-        subnormal = _mm256_or_si256(subnormal, _mm256_andnot_si256(normal, _mm256_cmpgt_epi16(y, half_subnormal)));
-        const __m256i magnitude = _mm256_and_si256(_mm256_min_epi16(_mm256_sub_epi16(rounded, rebias), max_code), normal);
-        codes[j] = _mm256_or_si256(magnitude, _mm256_and_si256(_mm256_srai_epi16(v, 15), sign_code));
-      }
-      if (!_mm256_testz_si256(subnormal, subnormal)) {
-        fallback |= 1u << (i / 64);
+      __m256i band = _mm256_set1_epi16(-1);
+      const __m256i s0 = _mm256_set1_epi16(shift[i / 32]), s1 = _mm256_set1_epi16(shift[i / 32 + 1]);
+      const __m256i lo = threshold_codes(load256(x + i), load256(x + i + 16), s0, s0, t, band);
+      const __m256i hi = threshold_codes(load256(x + i + 32), load256(x + i + 48), s1, s1, t, band);
+      if (band_hit(band)) [[unlikely]] {
+        fallback |= uint32_t{1} << (i / 64);
         continue;
       }
-      put<Stream>(q + i, _mm256_permute4x64_epi64(_mm256_packus_epi16(codes[0], codes[1]), 0xd8));
-      put<Stream>(q + i + 32, _mm256_permute4x64_epi64(_mm256_packus_epi16(codes[2], codes[3]), 0xd8));
+      put<Stream>(q + i, lo);
+      put<Stream>(q + i + 32, hi);
     }
     return fallback;
   }
@@ -553,13 +573,6 @@ struct V {
 // is checked to be such a staircase; if not, the scale gets kNoTable and the general kernel.
 // Lanes between the zero region and the normal one (x / 2^k in (2^-10, 2^-5): quotients in or
 // near the e4m3 subnormals) send their 64-element step to the general kernel.
-constexpr int kTableExponent = 130;  // bf16 exponent field of the probes 2^(3+k)·(1 + m/128)
-constexpr int16_t kNoTable = INT16_MIN;
-
-// The words of a scale's table (kE4m3TableWords int16): word 0 is C less 8·kTableExponent (or
-// kNoTable); bytes 16-31 hold A[16], bytes 32-47 hold S[16] - 1 (7: no step in that run).
-constexpr int kStepsAt = 16, kFirstsAt = 32;
-
 void e4m3_tables(const float* sf, int64_t groups, int16_t* tables) {
   alignas(32) uint16_t probe[kE4m3TableWords];
   uint8_t codes[kE4m3TableWords];
@@ -586,20 +599,14 @@ void e4m3_tables(const float* sf, int64_t groups, int16_t* tables) {
   }
 }
 
-struct ThresholdTable {
-  __m256i base, steps, firsts;  // C (words), A and S - 1 (bytes, in both 128-bit halves)
-  explicit ThresholdTable(const int16_t* table)
-      : base(_mm256_set1_epi16(table[0])),
-        steps(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(table) + kStepsAt / 16))),
-        firsts(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(table) + kFirstsAt / 16))) {}
-};
-
-// Codes of 32 bf16 lanes by a scale's table (see e4m3_lanes).
-inline __m256i threshold_codes(__m256i v0, __m256i v1, __m256i shift0, __m256i shift1, const ThresholdTable& t, __m256i& band) {
-  const E4m3Lanes l = e4m3_lanes(v0, v1, shift0, shift1, t.base, band);
-  const __m256i run = _mm256_and_si256(_mm256_srli_epi16(l.mantissa, 3), _mm256_set1_epi8(15));
-  const __m256i stepped = _mm256_cmpgt_epi8(_mm256_and_si256(l.mantissa, _mm256_set1_epi8(7)), _mm256_shuffle_epi8(t.firsts, run));
-  return e4m3_finish(_mm256_subs_epi8(_mm256_adds_epi8(l.top, _mm256_shuffle_epi8(t.steps, run)), stepped), l.sign);
+const int16_t* unit_e4m3_table() {
+  static const auto table = [] {
+    std::array<int16_t, kE4m3TableWords> t{};
+    const float unit = 1.0f;
+    e4m3_tables(&unit, 1, t.data());
+    return t;
+  }();
+  return table.data();
 }
 
 template <bool Stream>
