@@ -16,27 +16,28 @@ namespace {
 
 // ---- bf16 -> e4m3 codes on byte lanes (per-scale staircases; see "per-block bf16 -> e4m3
 // casts through per-scale thresholds" below) ----
-// Lanes of 32 bf16 values (v0: elements 0-15, v1: 16-31) with shift0 / shift1 the lanes' k << 7
-// (sf = 2^k·f): P = |x|'s pattern - k << 7. All bytes in packs order: elements 0-7, 16-23,
-// 8-15, 24-31 in the four qwords (e4m3_finish restores element order).
-// top: 8·(P >> 7) + base, saturated to int8 (tiny lanes, P <= 0x3a80, with an arithmetic
-// shift for P < 0, come out at -15 or below even with the staircase added, and are clamped
-// to 0); mantissa: P & 127; sign: x's sign in bit 7. band: lane-wise unsigned min of
-// P - 0x3a81 (signed saturation), below 0x27f exactly for lanes in the band between the zero
-// region and the normal one (band_hit).
+// Lanes of 32 bf16 values (v0: elements 0-15, v1: 16-31) under scales sf = 2^k·f, with d0 /
+// d1 the lanes' D = C - 8·k (C: the staircase's base, below). P = |x|'s pattern - k << 7 is the
+// pattern of |x| / 2^k, and a normal code is 8·(P >> 7) + C + (the staircase at P & 127), where
+// 8·(P >> 7) + C = 8·(|x|'s exponent field) + D and P & 127 = |x| & 127. All bytes in packs
+// order: elements 0-7, 16-23, 8-15, 24-31 in the four qwords (e4m3_finish restores element
+// order).
+// top: 8·(|x| >> 7) + D, saturated to int8; mantissa: |x| & 127; sign: x's sign in bit 7.
+// band: lane-wise unsigned min of top + 32 (bytes). With C in [-968, -960] (the base code of
+// the probes 2^(3+k)·(1 + m/128) is 72 to 80), top < -32 means P < 117 << 7: quotients below
+// 2^-11, code 0 (top plus the staircase, at most 9, stays negative and is clamped to 0); top
+// >= 16 means P >= 122 << 7: quotients above 2^-6, normal. Lanes between, with top + 32 below
+// 48 (band_hit), are (or may be) near the e4m3 subnormals and go to the general kernel.
 struct E4m3Lanes {
   __m256i top, mantissa, sign;
 };
-inline E4m3Lanes e4m3_lanes(__m256i v0, __m256i v1, __m256i shift0, __m256i shift1, __m256i base, __m256i& band) {
-  const __m256i magnitude = _mm256_set1_epi16(0x7fff), low7 = _mm256_set1_epi16(0x7f);
-  const __m256i p0 = _mm256_sub_epi16(_mm256_and_si256(v0, magnitude), shift0);
-  const __m256i p1 = _mm256_sub_epi16(_mm256_and_si256(v1, magnitude), shift1);
-  const __m256i zero_to = _mm256_set1_epi16(0x3a81);
-  band = _mm256_min_epu16(band, _mm256_min_epu16(_mm256_subs_epi16(p0, zero_to), _mm256_subs_epi16(p1, zero_to)));
-  const __m256i exponent8 = _mm256_set1_epi16(static_cast<int16_t>(0xfff8));
-  const __m256i h0 = _mm256_add_epi16(_mm256_and_si256(_mm256_srai_epi16(p0, 4), exponent8), base);
-  const __m256i h1 = _mm256_add_epi16(_mm256_and_si256(_mm256_srai_epi16(p1, 4), exponent8), base);
-  return {_mm256_packs_epi16(h0, h1), _mm256_packus_epi16(_mm256_and_si256(p0, low7), _mm256_and_si256(p1, low7)),
+inline E4m3Lanes e4m3_lanes(__m256i v0, __m256i v1, __m256i d0, __m256i d1, __m256i& band) {
+  const __m256i magnitude = _mm256_set1_epi16(0x7fff), exponent8 = _mm256_set1_epi16(0x7ff8), low7 = _mm256_set1_epi16(0x7f);
+  const __m256i a0 = _mm256_and_si256(v0, magnitude), a1 = _mm256_and_si256(v1, magnitude);
+  const __m256i top = _mm256_packs_epi16(_mm256_add_epi16(_mm256_and_si256(_mm256_srli_epi16(a0, 4), exponent8), d0),
+                                         _mm256_add_epi16(_mm256_and_si256(_mm256_srli_epi16(a1, 4), exponent8), d1));
+  band = _mm256_min_epu8(band, _mm256_add_epi8(top, _mm256_set1_epi8(32)));
+  return {top, _mm256_packus_epi16(_mm256_and_si256(a0, low7), _mm256_and_si256(a1, low7)),
           _mm256_and_si256(_mm256_packs_epi16(v0, v1), _mm256_set1_epi8(static_cast<char>(0x80)))};
 }
 // Codes in element order from the lanes' magnitudes (top plus the staircase) and signs.
@@ -45,8 +46,9 @@ inline __m256i e4m3_finish(__m256i code, __m256i sign) {
   code = _mm256_min_epu8(_mm256_max_epi8(code, _mm256_setzero_si256()), _mm256_set1_epi8(0x7e));
   return _mm256_permute4x64_epi64(_mm256_or_si256(code, sign), 0xd8);
 }
+inline __m256i no_band() { return _mm256_set1_epi8(-1); }
 inline bool band_hit(__m256i band) {
-  const __m256i below = _mm256_subs_epu16(_mm256_set1_epi16(0x27f), band);
+  const __m256i below = _mm256_subs_epu8(_mm256_set1_epi8(48), band);
   return !_mm256_testz_si256(below, below);
 }
 inline __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
@@ -66,9 +68,13 @@ struct ThresholdTable {
         firsts(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(table) + kFirstsAt / 16))) {}
 };
 
-// Codes of 32 bf16 lanes by a scale's table (see e4m3_lanes).
-inline __m256i threshold_codes(__m256i v0, __m256i v1, __m256i shift0, __m256i shift1, const ThresholdTable& t, __m256i& band) {
-  const E4m3Lanes l = e4m3_lanes(v0, v1, shift0, shift1, t.base, band);
+// Codes of 32 bf16 lanes by a scale's table (see e4m3_lanes; d = t.base - 8·k, from
+// lane_bases for a shift per lane).
+// D of 16 lanes from their shifts k << 7 and a table's base C.
+inline __m256i lane_bases(__m256i base, __m256i shift) { return _mm256_sub_epi16(base, _mm256_srai_epi16(shift, 4)); }
+
+inline __m256i threshold_codes(__m256i v0, __m256i v1, __m256i d0, __m256i d1, const ThresholdTable& t, __m256i& band) {
+  const E4m3Lanes l = e4m3_lanes(v0, v1, d0, d1, band);
   const __m256i run = _mm256_and_si256(_mm256_srli_epi16(l.mantissa, 3), _mm256_set1_epi8(15));
   const __m256i stepped = _mm256_cmpgt_epi8(_mm256_and_si256(l.mantissa, _mm256_set1_epi8(7)), _mm256_shuffle_epi8(t.firsts, run));
   return e4m3_finish(_mm256_subs_epi8(_mm256_adds_epi8(l.top, _mm256_shuffle_epi8(t.steps, run)), stepped), l.sign);
@@ -213,10 +219,10 @@ struct V {
     uint32_t fallback = 0;
     for (int64_t i = 0; i < n; i += 64) {
       prefetch_step(prefetch, i);
-      __m256i band = _mm256_set1_epi16(-1);
-      const __m256i s0 = _mm256_set1_epi16(shift[i / 32]), s1 = _mm256_set1_epi16(shift[i / 32 + 1]);
-      const __m256i lo = threshold_codes(load256(x + i), load256(x + i + 16), s0, s0, t, band);
-      const __m256i hi = threshold_codes(load256(x + i + 32), load256(x + i + 48), s1, s1, t, band);
+      __m256i band = no_band();
+      const __m256i d0 = lane_bases(t.base, _mm256_set1_epi16(shift[i / 32])), d1 = lane_bases(t.base, _mm256_set1_epi16(shift[i / 32 + 1]));
+      const __m256i lo = threshold_codes(load256(x + i), load256(x + i + 16), d0, d0, t, band);
+      const __m256i hi = threshold_codes(load256(x + i + 32), load256(x + i + 48), d1, d1, t, band);
       if (band_hit(band)) [[unlikely]] {
         fallback |= uint32_t{1} << (i / 64);
         continue;
@@ -241,14 +247,14 @@ struct V {
   static constexpr bool kE4m3Thresholds = true;
   static constexpr int kThresholdChunk = 32;  // groups per e4m3_thresholds call
   // For groups g < count <= kThresholdChunk: t[j·kThresholdChunk + g] holds the threshold of
-  // residue j (below) less one, in each of its bytes; base[g] = c0 - 8·130, shift[g] = k << 7.
+  // residue j (below) less one, in each of its bytes; d[g] = D = c0 - 8·130 - 8·k.
   // Returns the groups it takes (bit g): table_scale(sf[g]), with every sf positive normal (the
   // caller's bound).
   // The boundaries c0 + i (i = 0..7) are taken by residue r = c & 7 rather than in order: r
   // fixes 17 + 2r and the tie's direction, and the boundary lies in c0's binade e0 for r >= r0
   // (r0 = c0 & 7), in the next for r < r0. So w = G·K_r, G = f·2^(e0 - 27) per group, K_r one
   // of two constants; counting needs no order.
-  static uint32_t e4m3_thresholds(const float* sf, int count, uint32_t* t, int16_t* base, int16_t* shift) {
+  static uint32_t e4m3_thresholds(const float* sf, int count, uint32_t* t, int16_t* d) {
     alignas(16) float scales[kThresholdChunk];
     for (int g = 0; g < kThresholdChunk; ++g) scales[g] = g < count ? sf[g] : 1.0f;
     const __m128i one = _mm_set1_epi32(1);
@@ -260,15 +266,14 @@ struct V {
       const __m128i in_range = _mm_and_si128(_mm_cmpgt_epi32(field, _mm_set1_epi32(127 - 100 - 1)),
                                              _mm_cmplt_epi32(field, _mm_set1_epi32(127 + 100)));
       take |= static_cast<uint32_t>(_mm_movemask_ps(_mm_castsi128_ps(in_range))) << g;
-      const __m128i k7 = _mm_slli_epi32(_mm_sub_epi32(field, _mm_set1_epi32(127)), 7);
-      _mm_storel_epi64(reinterpret_cast<__m128i*>(shift + g), _mm_packs_epi32(k7, k7));
       const __m128 f = _mm_castsi128_ps(_mm_or_si128(_mm_and_si128(bits, _mm_set1_epi32(0x007fffff)), _mm_set1_epi32(0x3f800000)));
       // c0: the code of RN(8 / f), in (4, 8]: normal, rounded at bit 20 and re-biased by 120 << 23
       const __m128i q0 = _mm_castps_si128(_mm_div_ps(_mm_set1_ps(8.0f), f));
       const __m128i c0 = _mm_srli_epi32(
           _mm_add_epi32(_mm_add_epi32(q0, _mm_set1_epi32((1 << 19) - 1 - (120 << 23))), _mm_and_si128(_mm_srli_epi32(q0, 20), one)), 20);
-      const __m128i b = _mm_sub_epi32(c0, _mm_set1_epi32(8 * 130));
-      _mm_storel_epi64(reinterpret_cast<__m128i*>(base + g), _mm_packs_epi32(b, b));
+      // D = c0 - 8·130 - 8·(field - 127) (int16 for the scales taken: field within 127 ± 100)
+      const __m128i D = _mm_sub_epi32(_mm_sub_epi32(c0, _mm_set1_epi32(8 * 130 - 8 * 127)), _mm_slli_epi32(field, 3));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(d + g), _mm_packs_epi32(D, D));
       const __m256i e0 = _mm256_slli_epi64(_mm256_cvtepi32_epi64(_mm_add_epi32(_mm_srli_epi32(c0, 3), _mm_set1_epi32(1023 - 27))), 52);
       const __m256d G = _mm256_mul_pd(_mm256_cvtps_pd(f), _mm256_castsi256_pd(e0));
       const __m256d r0 = _mm256_cvtepi32_pd(_mm_and_si128(c0, _mm_set1_epi32(7)));
@@ -287,22 +292,21 @@ struct V {
     }
     return take & static_cast<uint32_t>((uint64_t{1} << count) - 1);
   }
-  // Codes of n bf16 (a multiple of 64, at most 4096) from their groups' e4m3_thresholds (t,
-  // base and shift of the group x starts in, which has `into` of its gran elements behind
+  // Codes of n bf16 (a multiple of 64, at most 4096) from their groups' e4m3_thresholds (t
+  // and d of the group x starts in, which has `into` of its gran elements behind
   // it; the next groups follow in those arrays). A 64-element block holding a lane between the
   // zero region and the normal one (band_hit) is left unwritten and flagged in the returned
   // mask (bit b: x[64b, 64b + 64)), for the caller's general path.
   template <bool Stream>
   static uint64_t bf16_e4m3_by_thresholds(const uint16_t* x, uint8_t* q, int64_t n, int64_t gran, int64_t into, const uint32_t* t,
-                                          const int16_t* base, const int16_t* shift, const uint16_t* prefetch) {
-    __m256i thresholds[8], b, s;
+                                          const int16_t* d, const uint16_t* prefetch) {
+    __m256i thresholds[8], lane_d;
     auto load_group = [&] {
       for (int j = 0; j < 8; ++j) thresholds[j] = _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float*>(t + j * kThresholdChunk)));
-      b = _mm256_set1_epi16(*base);
-      s = _mm256_set1_epi16(*shift);
+      lane_d = _mm256_set1_epi16(*d);
     };
     auto codes = [&](const uint16_t* p, __m256i& band) {
-      const E4m3Lanes l = e4m3_lanes(load256(p), load256(p + 16), s, s, b, band);
+      const E4m3Lanes l = e4m3_lanes(load256(p), load256(p + 16), lane_d, lane_d, band);
       __m256i code = l.top;
       for (const __m256i& threshold : thresholds) code = _mm256_subs_epi8(code, _mm256_cmpgt_epi8(l.mantissa, threshold));
       return e4m3_finish(code, l.sign);
@@ -311,11 +315,11 @@ struct V {
     uint64_t fallback = 0;
     for (int64_t i = 0, next = gran - into; i < n; i += 64) {
       if (i == next) {
-        ++t, ++base, ++shift, next += gran;
+        ++t, ++d, next += gran;
         load_group();
       }
       prefetch_step(prefetch, i);
-      __m256i band = _mm256_set1_epi16(-1);
+      __m256i band = no_band();
       const __m256i lo = codes(x + i, band), hi = codes(x + i + 32, band);
       if (band_hit(band)) [[unlikely]] {
         fallback |= uint64_t{1} << (i / 64);
@@ -621,12 +625,12 @@ void e4m3_rows_by_thresholds(const uint16_t* x, uint8_t* q, int64_t n, const flo
       continue;
     }
     const ThresholdTable t(table);
-    const __m256i shift = _mm256_set1_epi16(table_shift(sf[g]));
+    const __m256i d = lane_bases(t.base, _mm256_set1_epi16(table_shift(sf[g])));
     for (; i + 64 <= end; i += 64) {
       if (prefetch) V::prefetch_step(prefetch, i);
-      __m256i band = _mm256_set1_epi16(-1);
-      const __m256i lo = threshold_codes(load256(x + i), load256(x + i + 16), shift, shift, t, band);
-      const __m256i hi = threshold_codes(load256(x + i + 32), load256(x + i + 48), shift, shift, t, band);
+      __m256i band = no_band();
+      const __m256i lo = threshold_codes(load256(x + i), load256(x + i + 16), d, d, t, band);
+      const __m256i hi = threshold_codes(load256(x + i + 32), load256(x + i + 48), d, d, t, band);
       if (band_hit(band)) [[unlikely]] {
         quantize_span<E4M3, uint16_t, false, false, true>(x + i, q + i, 64, sf + g, Reciprocals{}, nullptr);
         continue;
@@ -655,10 +659,10 @@ void e4m3_rows_by_shifts(const uint16_t* x, uint8_t* q, int64_t n, const float* 
     const ThresholdTable t(unit_table);
     for (; i + 64 <= n; i += 64) {
       if (prefetch) V::prefetch_step(prefetch, i);
-      __m256i band = _mm256_set1_epi16(-1);
-      const __m256i lo = threshold_codes(load256(x + i), load256(x + i + 16), load256(shift + i), load256(shift + i + 16), t, band);
-      const __m256i hi =
-          threshold_codes(load256(x + i + 32), load256(x + i + 48), load256(shift + i + 32), load256(shift + i + 48), t, band);
+      __m256i band = no_band();
+      auto d = [&](int64_t at) { return lane_bases(t.base, load256(shift + at)); };
+      const __m256i lo = threshold_codes(load256(x + i), load256(x + i + 16), d(i), d(i + 16), t, band);
+      const __m256i hi = threshold_codes(load256(x + i + 32), load256(x + i + 48), d(i + 32), d(i + 48), t, band);
       if (band_hit(band)) [[unlikely]] {
         quantize_span<E4M3, uint16_t, true, false, false>(x + i, q + i, 64, sf + i, Reciprocals{}, nullptr);
         continue;
