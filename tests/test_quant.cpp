@@ -450,47 +450,71 @@ TEST(QuantOracle, PerBlockFp8EveryBf16PatternUnderArbitraryScales) {
   }
 }
 
-// The e4m3 16-bit kernel's edges one at a time, each alone among normal values in its
-// 64-element block (so that no neighbour sends the block to the general path): half the least
-// subnormal and the patterns around it, the least normal and the pattern below, tiny and
-// negative values, and the largest code.
+// Calls a bf16 quantize kernel of every ISA directly with scales_from_amax, against the scalar
+// kernel (which divides): codes of x (n elements, groups of gran) under sf, plain and streamed.
+void expect_kernels_match_scalar(detail::Narrow fmt, const std::vector<uint16_t>& x, const std::vector<float>& sf, int64_t gran) {
+  const int64_t n = static_cast<int64_t>(x.size()), bytes = fmt == detail::Narrow::e2m1 ? (n + 1) / 2 : n;
+  const int f = static_cast<int>(fmt), bf16 = static_cast<int>(detail::Wide::bf16);
+  std::vector<uint8_t> want(static_cast<size_t>(bytes)), got(static_cast<size_t>(bytes));
+  detail::format_kernels(Isa::scalar).quantize[f][bf16](x.data(), want.data(), n, sf.data(), gran, false, nullptr, true,
+                                                        detail::Reciprocals{});
+  for (Isa isa : moekit::testing::supported_isas())
+    for (bool stream : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << isa_name(isa) << (stream ? " streamed" : ""));
+      std::fill(got.begin(), got.end(), uint8_t{0x55});
+      detail::format_kernels(isa).quantize[f][bf16](x.data(), got.data(), n, sf.data(), gran, stream, nullptr, true,
+                                                    detail::Reciprocals{});
+      int64_t wrong = 0, first = -1;
+      for (int64_t i = 0; i < bytes; ++i)
+        if (got[i] != want[i]) wrong += 1, first = first < 0 ? i : first;
+      EXPECT_EQ(wrong, 0) << "first at byte " << first;
+    }
+}
+
 // The e4m3 kernels of bf16 under f32 scales from their amax (the per-token casts' path; on
-// AVX2, per-group thresholds: formats_avx2.cpp) called directly, against the scalar kernel
-// (which divides), on every bf16 magnitude up to 448·sf, both signs: under scales 2^k·f whose
-// quotient RN(8 / f) is an e4m3 rounding tie (4.25, 4.75, ..., 7.75: the thresholds' base
-// code must round it to even), and under f = 1 and the largest mantissa. Casts of bf16 never
-// give such scales (sf = RN(amax / 448) with an 8-bit amax), so only a direct call reaches them.
+// AVX2, per-group thresholds: formats_avx2.cpp) on every bf16 magnitude up to 448·sf, both
+// signs: under scales 2^k·f whose quotient RN(8 / f) is an e4m3 rounding tie (4.25, 4.75, ...,
+// 7.75: the thresholds' base code must round it to even), and under f = 1 and the largest
+// mantissa. Casts of bf16 never give such scales (sf = RN(amax / 448) with an 8-bit amax), so
+// only a direct call reaches them. Groups of 128, 192 (three per threshold batch of 64-element
+// steps) and 4160 (past the kernel's 4096-element calls), the last one partial.
 TEST(QuantKernels, E4m3OfBf16UnderScalesWhoseBaseQuotientIsATie) {
   const uint32_t tie_mantissas[] = {0x3ff0f0f1u, 0x3fd79436u, 0x3fc30c31u, 0x3fb21643u,  // RN(8 / f) = 4.25 ... 5.75
                                     0x3fa3d70au, 0x3f97b426u, 0x3f8d3dcbu, 0x3f842108u,  // 6.25 ... 7.75
                                     0x3f800000u, 0x3fffffffu};
-  const int64_t gran = 128;
-  for (const uint32_t mantissa : tie_mantissas)
-    for (const int k : {0, -10, 40}) {
-      const float sf = std::bit_cast<float>(mantissa + static_cast<uint32_t>(k * (1 << 23)));
-      SCOPED_TRACE(::testing::Message() << "sf=" << sf);
-      std::vector<uint16_t> x;
-      const uint32_t top = std::bit_cast<uint32_t>(448.0f * sf) >> 16;  // |x| <= 448·sf (bf16 truncation)
-      for (uint32_t p = 0; p <= top; ++p) x.insert(x.end(), {static_cast<uint16_t>(p), static_cast<uint16_t>(p | 0x8000)});
-      x.resize((x.size() + gran - 1) / gran * gran, 0);
-      const int64_t n = static_cast<int64_t>(x.size());
-      std::vector<float> scales(static_cast<size_t>(n / gran), sf);
-      std::vector<uint8_t> want(static_cast<size_t>(n)), got(static_cast<size_t>(n));
-      const int e4m3 = static_cast<int>(detail::Narrow::e4m3), bf16 = static_cast<int>(detail::Wide::bf16);
-      detail::format_kernels(Isa::scalar).quantize[e4m3][bf16](x.data(), want.data(), n, scales.data(), gran, false, nullptr, true,
-                                                               detail::Reciprocals{});
-      for (Isa isa : moekit::testing::supported_isas()) {
-        SCOPED_TRACE(isa_name(isa));
-        std::fill(got.begin(), got.end(), uint8_t{0x55});
-        detail::format_kernels(isa).quantize[e4m3][bf16](x.data(), got.data(), n, scales.data(), gran, false, nullptr, true,
-                                                         detail::Reciprocals{});
-        int64_t wrong = 0;
-        for (int64_t i = 0; i < n; ++i) wrong += got[i] != want[i];
-        EXPECT_EQ(wrong, 0);
+  for (const int64_t gran : {128, 192, 4160})
+    for (const uint32_t mantissa : tie_mantissas)
+      for (const int k : {0, -10, 40}) {
+        const float sf = std::bit_cast<float>(mantissa + static_cast<uint32_t>(k * (1 << 23)));
+        SCOPED_TRACE(::testing::Message() << "gran=" << gran << " sf=" << sf);
+        std::vector<uint16_t> x;
+        const uint32_t top = std::bit_cast<uint32_t>(448.0f * sf) >> 16;  // |x| <= 448·sf (bf16 truncation)
+        for (uint32_t p = 0; p <= top; ++p) x.insert(x.end(), {static_cast<uint16_t>(p), static_cast<uint16_t>(p | 0x8000)});
+        x.resize((x.size() + gran - 1) / gran * gran - gran / 2, 0);  // (the last group half full)
+        expect_kernels_match_scalar(detail::Narrow::e4m3, x, std::vector<float>(x.size() / gran + 1, sf), gran);
       }
-    }
 }
 
+// bf16 subnormal (and tiny normal) inputs under the least power-of-two scales, where x / 2^k
+// is no longer |x|'s pattern minus k << 7: the 16-bit and staircase paths must leave such
+// scales to the general kernel. e4m3 and e2m1, groups of 32, 64 and 128.
+TEST(QuantKernels, SubnormalInputsUnderTheLeastPowerOfTwoScales) {
+  for (const auto fmt : {detail::Narrow::e4m3, detail::Narrow::e2m1})
+    for (const int64_t gran : {32, 64, 128})
+      for (const int k : {-126, -125, -121, -117, -101, -100, -99}) {
+        SCOPED_TRACE(::testing::Message() << "fmt=" << static_cast<int>(fmt) << " gran=" << gran << " k=" << k);
+        const float sf = std::ldexp(1.0f, k), bound = (fmt == detail::Narrow::e2m1 ? 6.0f : 448.0f) * sf;
+        std::vector<uint16_t> x;
+        for (uint32_t p = 0; std::bit_cast<float>(p << 16) <= bound; ++p) x.insert(x.end(), {static_cast<uint16_t>(p), static_cast<uint16_t>(p | 0x8000)});
+        x.resize((x.size() + gran - 1) / gran * gran, 0);
+        expect_kernels_match_scalar(fmt, x, std::vector<float>(x.size() / gran, sf), gran);
+      }
+}
+
+// The e4m3 byte-lane kernels' edges one at a time, each alone among normal values in its
+// 64-element block (so that no neighbour sends the block to the general path): half the least
+// subnormal and the patterns around it, the least normal and the pattern below, tiny and
+// negative values, and the largest code.
 TEST(QuantOracle, PerTokenFp8SixteenBitEdgesAloneInTheirBlock) {
   const uint16_t edges[] = {0x3a7f, 0x3a80, 0x3a81, 0x3c7f, 0x3c80, 0x3c81, 0x0001, 0x8000, 0xbc80, 0xba81, 0x43e0, 0xc3e0};
   const int64_t gran = 128, groups = std::size(edges);
