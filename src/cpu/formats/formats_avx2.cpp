@@ -219,16 +219,11 @@ struct V {
     uint32_t fallback = 0;
     for (int64_t i = 0; i < n; i += 64) {
       prefetch_step(prefetch, i);
-      __m256i band = no_band();
-      const __m256i d0 = lane_bases(t.base, _mm256_set1_epi16(shift[i / 32])), d1 = lane_bases(t.base, _mm256_set1_epi16(shift[i / 32 + 1]));
-      const __m256i lo = threshold_codes(load256(x + i), load256(x + i + 16), d0, d0, t, band);
-      const __m256i hi = threshold_codes(load256(x + i + 32), load256(x + i + 48), d1, d1, t, band);
-      if (band_hit(band)) [[unlikely]] {
-        fallback |= uint32_t{1} << (i / 64);
-        continue;
-      }
-      put<Stream>(q + i, lo);
-      put<Stream>(q + i + 32, hi);
+      const bool stored = put_unless_band<Stream>(q + i, [&](int64_t at, __m256i& band) {
+        const __m256i d = lane_bases(t.base, _mm256_set1_epi16(shift[(i + at) / 32]));
+        return threshold_codes(load256(x + i + at), load256(x + i + at + 16), d, d, t, band);
+      });
+      if (!stored) fallback |= uint32_t{1} << (i / 64);
     }
     return fallback;
   }
@@ -305,8 +300,8 @@ struct V {
       for (int j = 0; j < 8; ++j) thresholds[j] = _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float*>(t + j * kThresholdChunk)));
       lane_d = _mm256_set1_epi16(*d);
     };
-    auto codes = [&](const uint16_t* p, __m256i& band) {
-      const E4m3Lanes l = e4m3_lanes(load256(p), load256(p + 16), lane_d, lane_d, band);
+    auto codes = [&](int64_t at, __m256i& band) {
+      const E4m3Lanes l = e4m3_lanes(load256(x + at), load256(x + at + 16), lane_d, lane_d, band);
       __m256i code = l.top;
       for (const __m256i& threshold : thresholds) code = _mm256_subs_epi8(code, _mm256_cmpgt_epi8(l.mantissa, threshold));
       return e4m3_finish(code, l.sign);
@@ -319,14 +314,8 @@ struct V {
         load_group();
       }
       prefetch_step(prefetch, i);
-      __m256i band = no_band();
-      const __m256i lo = codes(x + i, band), hi = codes(x + i + 32, band);
-      if (band_hit(band)) [[unlikely]] {
+      if (!put_unless_band<Stream>(q + i, [&](int64_t at, __m256i& band) { return codes(i + at, band); }))
         fallback |= uint64_t{1} << (i / 64);
-        continue;
-      }
-      put<Stream>(q + i, lo);
-      put<Stream>(q + i + 32, hi);
     }
     return fallback;
   }
@@ -469,6 +458,18 @@ struct V {
     else _mm_storeu_si128(static_cast<__m128i*>(p), v);
   }
   static void fence() { _mm_sfence(); }
+  // One 64-element step of the e4m3 staircase kernels: codes(at, band) gives the 32 codes of
+  // elements at..at + 31 (at = 0, 32) and accumulates their band; they are stored unless a lane
+  // lies in the band (band_hit), and then nothing is stored and false returned.
+  template <bool Stream, class Codes>
+  static bool put_unless_band(uint8_t* q, Codes codes) {
+    __m256i band = no_band();
+    const __m256i lo = codes(0, band), hi = codes(32, band);
+    if (band_hit(band)) [[unlikely]] return false;
+    put<Stream>(q, lo);
+    put<Stream>(q + 32, hi);
+    return true;
+  }
 
   template <bool Stream>
   static void store_byte_codes_x4(uint8_t* p, const I mag[4], const F y[4]) { put<Stream>(p, pack_codes(mag, y, 0x80)); }
@@ -628,15 +629,10 @@ void e4m3_rows_by_thresholds(const uint16_t* x, uint8_t* q, int64_t n, const flo
     const __m256i d = lane_bases(t.base, _mm256_set1_epi16(table_shift(sf[g])));
     for (; i + 64 <= end; i += 64) {
       if (prefetch) V::prefetch_step(prefetch, i);
-      __m256i band = no_band();
-      const __m256i lo = threshold_codes(load256(x + i), load256(x + i + 16), d, d, t, band);
-      const __m256i hi = threshold_codes(load256(x + i + 32), load256(x + i + 48), d, d, t, band);
-      if (band_hit(band)) [[unlikely]] {
-        quantize_span<E4M3, uint16_t, false, false, true>(x + i, q + i, 64, sf + g, Reciprocals{}, nullptr);
-        continue;
-      }
-      V::put<Stream>(q + i, lo);
-      V::put<Stream>(q + i + 32, hi);
+      const bool stored = V::put_unless_band<Stream>(q + i, [&](int64_t at, __m256i& band) {
+        return threshold_codes(load256(x + i + at), load256(x + i + at + 16), d, d, t, band);
+      });
+      if (!stored) quantize_span<E4M3, uint16_t, false, false, true>(x + i, q + i, 64, sf + g, Reciprocals{}, nullptr);
     }
     if (i < end) quantize_span<E4M3, uint16_t, false, false, true>(x + i, q + i, end - i, sf + g, Reciprocals{}, nullptr);
     i = end;
@@ -659,16 +655,11 @@ void e4m3_rows_by_shifts(const uint16_t* x, uint8_t* q, int64_t n, const float* 
     const ThresholdTable t(unit_table);
     for (; i + 64 <= n; i += 64) {
       if (prefetch) V::prefetch_step(prefetch, i);
-      __m256i band = no_band();
       auto d = [&](int64_t at) { return lane_bases(t.base, load256(shift + at)); };
-      const __m256i lo = threshold_codes(load256(x + i), load256(x + i + 16), d(i), d(i + 16), t, band);
-      const __m256i hi = threshold_codes(load256(x + i + 32), load256(x + i + 48), d(i + 32), d(i + 48), t, band);
-      if (band_hit(band)) [[unlikely]] {
-        quantize_span<E4M3, uint16_t, true, false, false>(x + i, q + i, 64, sf + i, Reciprocals{}, nullptr);
-        continue;
-      }
-      V::put<Stream>(q + i, lo);
-      V::put<Stream>(q + i + 32, hi);
+      const bool stored = V::put_unless_band<Stream>(q + i, [&](int64_t at, __m256i& band) {
+        return threshold_codes(load256(x + i + at), load256(x + i + at + 16), d(i + at), d(i + at + 16), t, band);
+      });
+      if (!stored) quantize_span<E4M3, uint16_t, true, false, false>(x + i, q + i, 64, sf + i, Reciprocals{}, nullptr);
     }
   }
   if (i < n) quantize_span<E4M3, uint16_t, true, false, false>(x + i, q + i, n - i, sf + i, Reciprocals{}, nullptr);
