@@ -51,6 +51,13 @@ inline bool band_hit(__m256i band) {
   const __m256i below = _mm256_subs_epu8(_mm256_set1_epi8(48), band);
   return !_mm256_testz_si256(below, below);
 }
+// Bit j set where scale j of four (f32 bits) is a table_scale: 2^-100 to below 2^100, positive
+// (the sign bit puts negative scales' field out of range).
+inline uint32_t table_scales4(__m128i bits) {
+  const __m128i field = _mm_srli_epi32(bits, 23);
+  const __m128i in_range = _mm_and_si128(_mm_cmpgt_epi32(field, _mm_set1_epi32(127 - 100 - 1)), _mm_cmplt_epi32(field, _mm_set1_epi32(127 + 100)));
+  return static_cast<uint32_t>(_mm_movemask_ps(_mm_castsi128_ps(in_range)));
+}
 inline __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 
 constexpr int kTableExponent = 130;  // bf16 exponent field of the probes 2^(3+k)·(1 + m/128)
@@ -257,10 +264,8 @@ struct V {
     uint32_t take = 0;
     for (int g = 0; g < count; g += 4) {
       const __m128i bits = _mm_load_si128(reinterpret_cast<const __m128i*>(scales + g));
-      const __m128i field = _mm_srli_epi32(bits, 23);  // (with the sign bit: negative scales fail)
-      const __m128i in_range = _mm_and_si128(_mm_cmpgt_epi32(field, _mm_set1_epi32(127 - 100 - 1)),
-                                             _mm_cmplt_epi32(field, _mm_set1_epi32(127 + 100)));
-      take |= static_cast<uint32_t>(_mm_movemask_ps(_mm_castsi128_ps(in_range))) << g;
+      take |= table_scales4(bits) << g;
+      const __m128i field = _mm_srli_epi32(bits, 23);
       const __m128 f = _mm_castsi128_ps(_mm_or_si128(_mm_and_si128(bits, _mm_set1_epi32(0x007fffff)), _mm_set1_epi32(0x3f800000)));
       // c0: the code of RN(8 / f), in (4, 8]: normal, rounded at bit 20 and re-biased by 120 << 23
       const __m128i q0 = _mm_castps_si128(_mm_div_ps(_mm_set1_ps(8.0f), f));
@@ -339,10 +344,7 @@ struct V {
     uint32_t take = 0;
     for (int g = 0; g < count; g += 4) {
       const __m128i bits = _mm_load_si128(reinterpret_cast<const __m128i*>(scales + g));
-      const __m128i field = _mm_srli_epi32(bits, 23);  // (with the sign bit: negative scales fail)
-      const __m128i in_range = _mm_and_si128(_mm_cmpgt_epi32(field, _mm_set1_epi32(127 - 100 - 1)),
-                                             _mm_cmplt_epi32(field, _mm_set1_epi32(127 + 100)));
-      take |= static_cast<uint32_t>(_mm_movemask_ps(_mm_castsi128_ps(in_range))) << g;
+      take |= table_scales4(bits) << g;
       const __m256d s = _mm256_cvtps_pd(_mm_castsi128_ps(bits));
       for (int b = 0; b < 7; ++b) {
         __m256d bound = _mm256_mul_pd(s, _mm256_set1_pd(kBounds[b]));
