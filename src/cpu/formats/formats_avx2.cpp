@@ -75,11 +75,10 @@ struct ThresholdTable {
         firsts(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(table) + kFirstsAt / 16))) {}
 };
 
-// Codes of 32 bf16 lanes by a scale's table (see e4m3_lanes; d = t.base - 8·k, from
-// lane_bases for a shift per lane).
 // D of 16 lanes from their shifts k << 7 and a table's base C.
 inline __m256i lane_bases(__m256i base, __m256i shift) { return _mm256_sub_epi16(base, _mm256_srai_epi16(shift, 4)); }
 
+// Codes of 32 bf16 lanes by a scale's table (see e4m3_lanes; d = t.base - 8·k, lane_bases).
 inline __m256i threshold_codes(__m256i v0, __m256i v1, __m256i d0, __m256i d1, const ThresholdTable& t, __m256i& band) {
   const E4m3Lanes l = e4m3_lanes(v0, v1, d0, d1, band);
   const __m256i run = _mm256_and_si256(_mm256_srli_epi16(l.mantissa, 3), _mm256_set1_epi8(15));
@@ -293,12 +292,12 @@ struct V {
     return take & static_cast<uint32_t>((uint64_t{1} << count) - 1);
   }
   // Codes of n bf16 (a multiple of 64, at most 4096) from their groups' e4m3_thresholds (t
-  // and d of the group x starts in, which has `into` of its gran elements behind
-  // it; the next groups follow in those arrays). A 64-element block holding a lane between the
+  // and d of the group x starts at; the next groups, if n holds more, follow in those
+  // arrays; gran a multiple of 64). A 64-element block holding a lane between the
   // zero region and the normal one (band_hit) is left unwritten and flagged in the returned
   // mask (bit b: x[64b, 64b + 64)), for the caller's general path.
   template <bool Stream>
-  static uint64_t bf16_e4m3_by_thresholds(const uint16_t* x, uint8_t* q, int64_t n, int64_t gran, int64_t into, const uint32_t* t,
+  static uint64_t bf16_e4m3_by_thresholds(const uint16_t* x, uint8_t* q, int64_t n, int64_t gran, const uint32_t* t,
                                           const int16_t* d, const uint16_t* prefetch) {
     __m256i thresholds[8], lane_d;
     auto load_group = [&] {
@@ -313,7 +312,7 @@ struct V {
     };
     load_group();
     uint64_t fallback = 0;
-    for (int64_t i = 0, next = gran - into; i < n; i += 64) {
+    for (int64_t i = 0, next = gran; i < n; i += 64) {
       if (i == next) {
         ++t, ++d, next += gran;
         load_group();
@@ -364,9 +363,9 @@ struct V {
     return take & static_cast<uint32_t>((uint64_t{1} << count) - 1);
   }
   // Packed codes of n bf16 (a multiple of 32) from their groups' e2m1_thresholds (t of the
-  // group x starts in, which has `into` of its gran elements behind it; gran a multiple of 32).
+  // group x starts at, the next groups following; gran a multiple of 32).
   template <bool Stream>
-  static void bf16_e2m1_by_thresholds(const uint16_t* x, uint8_t* q, int64_t n, int64_t gran, int64_t into, const uint32_t* t,
+  static void bf16_e2m1_by_thresholds(const uint16_t* x, uint8_t* q, int64_t n, int64_t gran, const uint32_t* t,
                                       const uint16_t* prefetch) {
     __m256i thresholds[7];
     auto load_group = [&] {
@@ -381,7 +380,7 @@ struct V {
       return _mm256_madd_epi16(code, nibble_pair);
     };
     load_group();
-    for (int64_t i = 0, next = gran - into; i < n; i += 32) {
+    for (int64_t i = 0, next = gran; i < n; i += 32) {
       if (i == next) {
         ++t, next += gran;
         load_group();

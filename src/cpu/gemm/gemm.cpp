@@ -468,8 +468,6 @@ void run_gemm(const char* fn, GemmOperand a, GemmOperand b, const Output& out, c
 
 // ---------------------------------------------------------------- validation
 
-// C is D itself (accumulating in place) or lies apart from it: a C that partly overlaps D
-// would be read after some of it was overwritten (and by other threads).
 // D lies apart from the operands (and their scales): the kernels read them after writing
 // parts of D (review finding, 2026-12-03: bf16_gemm_nt(a, b, a) was accepted).
 void check_d_apart(const char* fn, const Tensor& d, std::initializer_list<std::pair<const char*, const Tensor*>> inputs) {
