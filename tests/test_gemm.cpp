@@ -333,6 +333,57 @@ TEST(Gemm, ExtremeScalesMatchOracleOnEveryIsa) {
     }
 }
 
+// Small M scales A by 2^s before narrow B's raw values (value x 2^-120), s the largest that
+// keeps every |a| x 2^s below 2^127 (gemm_simd.inc, small_m_a_shift). A's scales here span
+// 2^-60 .. 2^40 across groups and rows, so s moves from 120 down to 79 between calls and a
+// row mixes tiny and large products; FP8 (128 x 128) and FP4 (1 x 32) B, M = 1..4, K with
+// whole 32-blocks, a partial group and a tail: every FMA-class ISA bit for bit and the oracle.
+TEST(Gemm, SmallMWideActivationRangesMatchOracleOnEveryIsa) {
+  for (const bool fp4 : {false, true})
+    for (const int top : {0, 20, 40})
+      for (const int64_t m : {int64_t{1}, int64_t{2}, int64_t{4}}) {
+        SCOPED_TRACE(std::string(fp4 ? "fp4" : "fp8") + " B, largest A scale 2^" + std::to_string(top) +
+                     ", M = " + std::to_string(m));
+        const int64_t n = 13, k = 328, gran = fp4 ? 32 : 128, groups = (k + gran - 1) / gran;
+        Quantized a{Tensor::empty({m, k}, DType::e4m3), Tensor::empty({m, groups}, DType::f32)};
+        Quantized b = fp4 ? Quantized{Tensor::empty({n, k / 2}, DType::e2m1x2), Tensor::empty({n, groups}, DType::f32)}
+                          : Quantized{Tensor::empty({n, k}, DType::e4m3), Tensor::empty({1, groups}, DType::f32)};
+        std::mt19937 rng(static_cast<uint32_t>(31 * top + m + (fp4 ? 7 : 0)));
+        for (Tensor* t : {&a.values, &b.values})
+          for (int64_t i = 0; i < t->numel(); ++i) {
+            uint8_t c = static_cast<uint8_t>(rng());
+            if (t->dtype() == DType::e4m3 && (c & 0x7f) == 0x7f) c &= 0xfe;  // no NaN
+            t->data_ptr<uint8_t>()[i] = c;
+          }
+        for (int64_t i = 0; i < a.sf.numel(); ++i)
+          a.sf.data_ptr<float>()[i] = std::ldexp(1.0f, i % 3 == 0 ? top : -60 + static_cast<int>(rng() % 50));
+        for (int64_t i = 0; i < b.sf.numel(); ++i) b.sf.data_ptr<float>()[i] = std::ldexp(1.0f, -10 + static_cast<int>(rng() % 20));
+        GemmOptions options;
+        options.recipe_a = OperandRecipe{1, gran};
+        options.recipe_b = OperandRecipe{fp4 ? 1 : 128, gran};
+        ref::Operand ra{a.values, a.sf, 1, gran}, rb{b.values, b.sf, fp4 ? 1 : 128, gran};
+        if (fp4) rb.packed_extent = k;
+        const std::vector<double> want = ref::gemm(ref::Layout::nt, ra, rb);
+        const std::vector<double> abs_dot = ref::gemm(ref::Layout::nt, abs_operand(ra), abs_operand(rb));
+        Tensor fma_bits;
+        for (Isa isa : {Isa::scalar, Isa::avx2, Isa::avx512}) {
+          if (!isa_supported(isa)) continue;
+          SCOPED_TRACE(isa_name(isa));
+          ScopedIsa scoped(isa);
+          Tensor d = Tensor::empty({m, n}, DType::f32);
+          fp8_fp4_gemm_nt(a, b, d, Tensor(), options);
+          const std::vector<double> got = ref::to_f64(d);
+          double worst = 0.0;
+          for (size_t i = 0; i < got.size(); ++i)
+            worst = std::max(worst, std::fabs(got[i] - want[i]) /
+                                        (0x1p-24 * std::fabs(want[i]) + 2.0 * (k + 1) * 0x1p-24 * abs_dot[i] + 1e-300));
+          EXPECT_LE(worst, 1.0) << "largest element error / bound";
+          if (!fma_bits.defined()) fma_bits = d;
+          else EXPECT_EQ(std::memcmp(d.data(), fma_bits.data(), static_cast<size_t>(m * n) * 4), 0) << "FMA-class paths differ";
+        }
+      }
+}
+
 // D sharing memory with an operand (review finding, 2026-12-03): bf16_gemm_nt(a, b, a) was
 // accepted and half the outputs were wrong (the kernels read a after writing parts of d).
 TEST(Gemm, DOverlappingAnOperandRaises) {

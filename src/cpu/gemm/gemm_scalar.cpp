@@ -53,8 +53,8 @@ struct G {
   static bool pack_k_major_fast(const GemmOperand&, int64_t, int, int64_t, int64_t, int, float*, PackNext) { return false; }
   static int64_t pack_mn_major_fast(const GemmOperand&, int64_t, int64_t, int64_t, int64_t, int, float*) { return 0; }
   static constexpr bool kFusedSmallM = false;
-  template <class Raw, class Scale>
-  static void fused_dot(const GemmOperand&, int64_t, int, const float*, int64_t, int, float*, Raw, Scale) {}
+  template <class Raw>
+  static void fused_dot(const GemmOperand&, int64_t, int, const float*, int64_t, int, float*, float, Raw) {}
   // No vector decoder: the exact tables do every element.
   static int64_t decode_scaled(DType, const uint8_t*, int64_t, int64_t, float, float*) { return 0; }
 };
