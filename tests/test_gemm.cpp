@@ -386,6 +386,23 @@ TEST(Gemm, SmallMWideActivationRangesMatchOracleOnEveryIsa) {
 
 // D sharing memory with an operand (review finding, 2026-12-03): bf16_gemm_nt(a, b, a) was
 // accepted and half the outputs were wrong (the kernels read a after writing parts of d).
+// D overlapping itself (a row stride under N, a zero stride) would have threads write one
+// element for several outputs; it is refused, and a padded row stride still works.
+TEST(Gemm, DOverlappingItselfRaises) {
+  const Tensor a = random_bf16(4, 64, 5), b = random_bf16(8, 64, 6);
+  std::vector<float> buf(64, 0.0f);
+  EXPECT_MOEKIT_ERROR_ARG(bf16_gemm_nt(a, b, Tensor::from_blob(buf.data(), {4, 8}, DType::f32, Device::cpu(), {4, 1})), "d");
+  EXPECT_MOEKIT_ERROR_ARG(bf16_gemm_nt(a, b, Tensor::from_blob(buf.data(), {4, 8}, DType::f32, Device::cpu(), {0, 1})), "d");
+  const Tensor padded = Tensor::from_blob(buf.data(), {4, 8}, DType::f32, Device::cpu(), {9, 1});
+  EXPECT_NO_THROW(bf16_gemm_nt(a, b, padded));
+  Tensor want = Tensor::empty({4, 8}, DType::f32);
+  bf16_gemm_nt(a, b, want);
+  for (int64_t i = 0; i < 4; ++i)
+    for (int64_t j = 0; j < 8; ++j) EXPECT_EQ(buf[static_cast<size_t>(i * 9 + j)], want.data_ptr<float>()[i * 8 + j]);
+  // One row (any row stride) and one column per row are not overlaps.
+  EXPECT_NO_THROW(bf16_gemm_nt(a.slice(0, 0, 1), b, Tensor::from_blob(buf.data(), {1, 8}, DType::f32, Device::cpu(), {0, 1})));
+}
+
 TEST(Gemm, DOverlappingAnOperandRaises) {
   Tensor a = Tensor::zeros({64, 64}, DType::bf16), b = Tensor::zeros({64, 64}, DType::bf16);
   EXPECT_MOEKIT_ERROR_ARG(bf16_gemm_nt(a, b, a), "d");

@@ -461,6 +461,11 @@ TEST(Grouped, BadInputRaisesNamedErrors) {
   EXPECT_MOEKIT_ERROR_ARG(m_grouped_bf16_gemm_nt_masked(am, b, dm, i32({1, -1}), 2), "masked_m");
   EXPECT_MOEKIT_ERROR_ARG(m_grouped_bf16_gemm_nt_masked(am, b, dm, i32({1, 1}), -1), "expected_m");
   EXPECT_MOEKIT_ERROR_ARG(m_grouped_bf16_gemm_nt_masked(am, random_bf16({3, 16, 64}, 16), dm, i32({1, 1}), 2), "b");
+  // D overlapping itself: groups closer than max_m x N, rows closer than N.
+  std::vector<float> dbuf(2 * 4 * 16, 0.0f);
+  EXPECT_MOEKIT_ERROR_ARG(m_grouped_bf16_gemm_nt_masked(am, b, Tensor::from_blob(dbuf.data(), {2, 4, 16}, DType::f32, Device::cpu(), {32, 16, 1}),
+                                                        i32({1, 1}), 2), "d");
+  EXPECT_MOEKIT_ERROR_ARG(f(a, b, Tensor::from_blob(dbuf.data(), {8, 16}, DType::f32, Device::cpu(), {8, 1}), i32({4, 8}), true), "d");
   // FP8 forms: scale tensors of the wrong group count or rows, per-block activation scales.
   const Tensor xa = random_bf16({8, 128}, 17);
   const Quantized qa = per_token_cast_to_fp8(xa, false);

@@ -21,6 +21,10 @@ void check_rank(const char* fn, const char* arg, const Tensor& t, int64_t rank);
 void check_shape(const char* fn, const char* arg, const Tensor& t, const Shape& expected);
 void check_last_dim_contiguous(const char* fn, const char* arg, const Tensor& t);
 void check_positive(const char* fn, const char* arg, int64_t value);
+// An output whose elements are all distinct: its dimensions (those of extent > 1, by
+// stride) must nest, each stride at least the span of the smaller ones. (Conservative: a
+// layout whose strides interleave without overlapping is refused too.)
+void check_no_self_overlap(const char* fn, const char* arg, const Tensor& t);
 // The common prologue: defined, on the CPU, one of the dtypes, the rank, unit last stride.
 void check_cpu_matrix(const char* fn, const char* arg, const Tensor& t,
                       std::initializer_list<DType> allowed);

@@ -1,5 +1,9 @@
 #include "moekit/error.h"
 
+#include <algorithm>
+#include <utility>
+#include <vector>
+
 #include "check.h"
 
 namespace moekit {
@@ -53,6 +57,20 @@ void check_last_dim_contiguous(const char* fn, const char* arg, const Tensor& t)
   if (t.dim() > 0 && t.size(-1) > 1 && t.stride(-1) != 1)
     fail(fn, arg, "unit stride in the last dimension",
          "stride " + std::to_string(t.stride(-1)) + " (strides " + shape_str(t.strides()) + ")");
+}
+
+void check_no_self_overlap(const char* fn, const char* arg, const Tensor& t) {
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) of the dimensions with size > 1
+  for (int64_t i = 0; i < t.dim(); ++i)
+    if (t.size(i) > 1) dims.emplace_back(t.stride(i), t.size(i));
+  std::sort(dims.begin(), dims.end());
+  int64_t span = 1;  // elements the smaller dimensions reach (strides are non-negative)
+  for (const auto& [stride, size] : dims) {
+    if (stride < span)
+      fail(fn, arg, "elements that do not overlap (each stride at least the span of the smaller dimensions)",
+           "shape " + shape_str(t.shape()) + ", strides " + shape_str(t.strides()));
+    span = stride * (size - 1) + span;  // (a view of real memory: no overflow)
+  }
 }
 
 void check_positive(const char* fn, const char* arg, int64_t value) {

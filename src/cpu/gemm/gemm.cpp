@@ -519,6 +519,7 @@ void attach_scales(const char* fn, const char* arg, GemmOperand& op, const Tenso
 Output describe_output(const char* fn, const Tensor& d, const Tensor& c, int64_t m, int64_t n) {
   detail::check_cpu_matrix(fn, "d", d, {DType::bf16, DType::f32});
   detail::check_shape(fn, "d", d, {m, n});
+  detail::check_no_self_overlap(fn, "d", d);
   Output out;
   out.d = static_cast<uint8_t*>(d.data());
   out.dtype = d.dtype();

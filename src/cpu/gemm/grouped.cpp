@@ -122,6 +122,7 @@ void check_output(const char* fn, const char* arg, const Tensor& d, const Shape&
   detail::check_dtype(fn, arg, d, dtypes);
   detail::check_shape(fn, arg, d, shape);
   if (d.numel() > 0 && d.stride(-1) != 1) fail(fn, arg, "a unit-stride last dimension", shape_str(d.strides()));
+  detail::check_no_self_overlap(fn, arg, d);
 }
 
 void check_gran_m(const char* fn, const GemmOptions& o) {
