@@ -386,6 +386,55 @@ TEST(Gemm, SmallMWideActivationRangesMatchOracleOnEveryIsa) {
 
 // D sharing memory with an operand (review finding, 2026-12-03): bf16_gemm_nt(a, b, a) was
 // accepted and half the outputs were wrong (the kernels read a after writing parts of d).
+// Review findings on the small-M narrow path (2026-12-03), each against the oracle and for
+// the same bits on every FMA-class ISA:
+//  1. rows of one pass where only some scales split (sfb x 2^(120 - s) overflows for one
+//     row of B only): the others were multiplied by an unset factor;
+//  2. one K group of huge activations next to a group of tiny ones whose weights are tiny
+//     and whose scale is huge: with one 2^s per call the small group's products vanished.
+TEST(Gemm, SmallMMixedSplitScalesAndGroupRangesMatchOracle) {
+  auto check = [](const Quantized& a, const Quantized& b, const GemmOptions& o, const ref::Operand& ra,
+                  const ref::Operand& rb) {
+    const int64_t m = a.values.size(0), n = b.values.size(0);
+    const std::vector<double> want = ref::gemm(ref::Layout::nt, ra, rb);
+    Tensor fma_bits;
+    for (Isa isa : {Isa::scalar, Isa::avx2, Isa::avx512}) {
+      if (!isa_supported(isa)) continue;
+      SCOPED_TRACE(isa_name(isa));
+      ScopedIsa scoped(isa);
+      Tensor d = Tensor::empty({m, n}, DType::f32);
+      fp8_fp4_gemm_nt(a, b, d, Tensor(), o);
+      const std::vector<double> got = ref::to_f64(d);
+      for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], want[i], 1e-5 * std::fabs(want[i])) << "element " << i;
+      if (!fma_bits.defined()) fma_bits = d;
+      else EXPECT_EQ(std::memcmp(d.data(), fma_bits.data(), static_cast<size_t>(m * n) * 4), 0) << "FMA-class paths differ";
+    }
+  };
+  GemmOptions o;
+  o.recipe_a = OperandRecipe{1, 128};
+  o.recipe_b = OperandRecipe{1, 128};
+  for (const int64_t m : {int64_t{1}, int64_t{2}, int64_t{4}}) {
+    SCOPED_TRACE("M = " + std::to_string(m));
+    const int64_t n = 4, k = 256;
+    // 1. A scale 2^10 (s = 113, factor 2^7); B row 0's scale 2^123 splits, rows 1..3 do not.
+    Quantized a{Tensor::empty({m, k}, DType::e4m3), Tensor::empty({m, 2}, DType::f32)};
+    Quantized b{Tensor::empty({n, k}, DType::e4m3), Tensor::empty({n, 1}, DType::i32)};
+    for (int64_t i = 0; i < m * k; ++i) a.values.data_ptr<uint8_t>()[i] = static_cast<uint8_t>(0x38 + (7 * i) % 30);
+    for (int64_t i = 0; i < n * k; ++i) b.values.data_ptr<uint8_t>()[i] = static_cast<uint8_t>(0x30 + (5 * i) % 40);
+    for (int64_t i = 0; i < k; ++i) b.values.data_ptr<uint8_t>()[i] = i == 5 ? 0x01 : 0;  // row 0: finite at 2^123
+    for (int64_t i = 0; i < m * 2; ++i) a.sf.data_ptr<float>()[i] = 1024.0f;
+    for (int64_t r = 0; r < n; ++r) b.sf.data_ptr<int32_t>()[r] = r == 0 ? 250 | 250 << 8 : 127 | 127 << 8;
+    check(a, b, o, {a.values, a.sf, 1, 128}, {b.values, b.sf, 1, 128});
+    // 2. A's group 0 holds 448 x 2^118 (at k = 0), group 1 values of 2^-30; B's group 0 is
+    //    zero, group 1 the least subnormal (2^-9) under a scale of 2^127.
+    for (int64_t i = 0; i < m * k; ++i) a.values.data_ptr<uint8_t>()[i] = (i % k) == 0 ? 0x7e : (i % k) < 128 ? 0 : 0x38;
+    for (int64_t i = 0; i < m; ++i) a.sf.data_ptr<float>()[2 * i] = 0x1p118f, a.sf.data_ptr<float>()[2 * i + 1] = 0x1p-30f;
+    for (int64_t i = 0; i < n * k; ++i) b.values.data_ptr<uint8_t>()[i] = (i % k) < 128 ? 0 : 0x01;
+    for (int64_t r = 0; r < n; ++r) b.sf.data_ptr<int32_t>()[r] = 127 | 254 << 8;
+    check(a, b, o, {a.values, a.sf, 1, 128}, {b.values, b.sf, 1, 128});
+  }
+}
+
 // D overlapping itself (a row stride under N, a zero stride) would have threads write one
 // element for several outputs; it is refused, and a padded row stride still works.
 TEST(Gemm, DOverlappingItselfRaises) {

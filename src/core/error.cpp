@@ -60,6 +60,7 @@ void check_last_dim_contiguous(const char* fn, const char* arg, const Tensor& t)
 }
 
 void check_no_self_overlap(const char* fn, const char* arg, const Tensor& t) {
+  if (t.numel() == 0) return;  // (no elements: nothing to overlap)
   std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) of the dimensions with size > 1
   for (int64_t i = 0; i < t.dim(); ++i)
     if (t.size(i) > 1) dims.emplace_back(t.stride(i), t.size(i));

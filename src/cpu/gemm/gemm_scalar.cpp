@@ -54,7 +54,7 @@ struct G {
   static int64_t pack_mn_major_fast(const GemmOperand&, int64_t, int64_t, int64_t, int64_t, int, float*) { return 0; }
   static constexpr bool kFusedSmallM = false;
   template <class Raw>
-  static void fused_dot(const GemmOperand&, int64_t, int, const float*, int64_t, int, float*, float, Raw) {}
+  static void fused_dot(const GemmOperand&, int64_t, int, const float*, int64_t, int, float*, const float*, Raw) {}
   // No vector decoder: the exact tables do every element.
   static int64_t decode_scaled(DType, const uint8_t*, int64_t, int64_t, float, float*) { return 0; }
 };
