@@ -574,6 +574,24 @@ TEST(QuantOracle, Bf16SpecialsInGroups) {
   }
 }
 
+// Empty inputs with a huge other extent (2^40 rows of nothing): every cast returns at once
+// with empty values and scales (before, each looped over the 2^40 empty rows; a regression
+// shows as ctest's timeout).
+TEST(QuantHand, EmptyInputsWithHugeExtentsReturnAtOnce) {
+  constexpr int64_t kHuge = int64_t{1} << 40;
+  for (const Shape& shape : {Shape{kHuge, 0}, Shape{0, kHuge}}) {
+    SCOPED_TRACE(shape_str(shape));
+    const Tensor x = Tensor::empty(shape, DType::bf16);
+    const Quantized t8 = per_token_cast_to_fp8(x, false);
+    EXPECT_EQ(t8.values.shape(), shape);
+    EXPECT_EQ(t8.sf.numel(), 0);
+    EXPECT_EQ(per_block_cast_to_fp8(x, true).values.shape(), shape);
+    EXPECT_EQ(per_channel_cast_to_fp8(x, false).values.shape(), shape);
+    EXPECT_EQ(per_token_cast_to_fp4(x, false).sf.numel(), 0);
+    EXPECT_EQ(cast_back_from_fp8(t8.values, t8.sf, DType::bf16, 1, 128).shape(), shape);
+  }
+}
+
 TEST(QuantHand, PerTokenFp8SmallRow) {
   const float x[2][4] = {{1.0f, -2.0f, 448.0f, 0.5f}, {0.0f, 0.0f, 0.0f, 0.0f}};
   for_each_isa([&](Isa) {

@@ -220,6 +220,7 @@ void per_token_cast(const char* fn, const Tensor& x, const Tensor& q, const Tens
   check_cpu_matrix(fn, "q", q, {fp4 ? DType::e2m1x2 : DType::e4m3});
   check_shape(fn, "q", q, {m, fp4 ? ceil_div(k, 2) : k});
   check_scales(fn, sf, {m, ceil_div(k, gran_k)});
+  if (m == 0 || k == 0) return;  // (no elements, no scales: not a pass over M empty rows)
   const auto& kern = detail::format_kernels();
   const int wide = static_cast<int>(wide_of(x));
   const float max_code = fp4 ? kE2m1Max : kE4m3Max;
@@ -279,6 +280,7 @@ void per_block_cast_to_fp8_into(const Tensor& x, const Tensor& q, const Tensor& 
   check_cpu_matrix(fn, "q", q, {DType::e4m3});
   check_shape(fn, "q", q, {m, k});
   check_scales(fn, sf, {ceil_div(m, block_m), ceil_div(k, block_k)});
+  if (m == 0 || k == 0) return;  // (no elements, no scales)
   const auto& kern = detail::format_kernels();
   const int wide = static_cast<int>(wide_of(x));
   const int64_t block_rows = ceil_div(m, block_m);
@@ -351,6 +353,7 @@ void per_channel_cast_to_fp8_into(const Tensor& x, const Tensor& q, const Tensor
   check_cpu_matrix(fn, "q", q, {DType::e4m3});
   check_shape(fn, "q", q, {k, mn});
   check_scales(fn, sf, {ceil_div(k, gran_k), mn});
+  if (k == 0 || mn == 0) return;  // (no elements, no scales)
   const auto& kern = detail::format_kernels();
   const int wide = static_cast<int>(wide_of(x));
   const bool stream = streaming(q);
@@ -438,6 +441,7 @@ void cast_back(const char* fn, const Tensor& q, const Tensor& sf, const Tensor& 
   const int64_t groups = ceil_div(k, gran_k);
   check_cpu_matrix(fn, "sf", sf, {DType::f32, DType::i32});
   check_shape(fn, "sf", sf, {ceil_div(m, gran_m), sf.dtype() == DType::f32 ? groups : ceil_div(groups, 4)});
+  if (m == 0 || k == 0) return;  // (nothing to write)
   const auto& kern = detail::format_kernels();
   const int wide = static_cast<int>(wide_of(out));
   const bool stream = streaming(out);
