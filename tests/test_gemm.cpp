@@ -333,6 +333,24 @@ TEST(Gemm, ExtremeScalesMatchOracleOnEveryIsa) {
     }
 }
 
+// fp8_fp4_gemm_nt on every FMA-class ISA of this CPU: `check` judges each result (as f64),
+// and all of them must have the same bits.
+template <class Check>
+void on_every_fma_isa(const Quantized& a, const Quantized& b, const GemmOptions& o, Check check) {
+  const int64_t m = a.values.size(0), n = b.values.size(0);
+  Tensor fma_bits;
+  for (Isa isa : {Isa::scalar, Isa::avx2, Isa::avx512}) {
+    if (!isa_supported(isa)) continue;
+    SCOPED_TRACE(isa_name(isa));
+    ScopedIsa scoped(isa);
+    Tensor d = Tensor::empty({m, n}, DType::f32);
+    fp8_fp4_gemm_nt(a, b, d, Tensor(), o);
+    check(ref::to_f64(d));
+    if (!fma_bits.defined()) fma_bits = d;
+    else EXPECT_EQ(std::memcmp(d.data(), fma_bits.data(), static_cast<size_t>(m * n) * 4), 0) << "FMA-class paths differ";
+  }
+}
+
 // Small M scales A by 2^s before narrow B's raw values (value x 2^-120), s the largest that
 // keeps every |a| x 2^s below 2^127 (gemm_simd.inc, small_m_a_shift). A's scales here span
 // 2^-60 .. 2^40 across groups and rows, so s moves from 120 down to 79 between calls and a
@@ -365,27 +383,16 @@ TEST(Gemm, SmallMWideActivationRangesMatchOracleOnEveryIsa) {
         if (fp4) rb.packed_extent = k;
         const std::vector<double> want = ref::gemm(ref::Layout::nt, ra, rb);
         const std::vector<double> abs_dot = ref::gemm(ref::Layout::nt, abs_operand(ra), abs_operand(rb));
-        Tensor fma_bits;
-        for (Isa isa : {Isa::scalar, Isa::avx2, Isa::avx512}) {
-          if (!isa_supported(isa)) continue;
-          SCOPED_TRACE(isa_name(isa));
-          ScopedIsa scoped(isa);
-          Tensor d = Tensor::empty({m, n}, DType::f32);
-          fp8_fp4_gemm_nt(a, b, d, Tensor(), options);
-          const std::vector<double> got = ref::to_f64(d);
+        on_every_fma_isa(a, b, options, [&](const std::vector<double>& got) {
           double worst = 0.0;
           for (size_t i = 0; i < got.size(); ++i)
             worst = std::max(worst, std::fabs(got[i] - want[i]) /
                                         (0x1p-24 * std::fabs(want[i]) + 2.0 * (k + 1) * 0x1p-24 * abs_dot[i] + 1e-300));
           EXPECT_LE(worst, 1.0) << "largest element error / bound";
-          if (!fma_bits.defined()) fma_bits = d;
-          else EXPECT_EQ(std::memcmp(d.data(), fma_bits.data(), static_cast<size_t>(m * n) * 4), 0) << "FMA-class paths differ";
-        }
+        });
       }
 }
 
-// D sharing memory with an operand (review finding, 2026-12-03): bf16_gemm_nt(a, b, a) was
-// accepted and half the outputs were wrong (the kernels read a after writing parts of d).
 // Review findings on the small-M narrow path (2026-12-03), each against the oracle and for
 // the same bits on every FMA-class ISA:
 //  1. rows of one pass where only some scales split (sfb x 2^(120 - s) overflows for one
@@ -395,20 +402,10 @@ TEST(Gemm, SmallMWideActivationRangesMatchOracleOnEveryIsa) {
 TEST(Gemm, SmallMMixedSplitScalesAndGroupRangesMatchOracle) {
   auto check = [](const Quantized& a, const Quantized& b, const GemmOptions& o, const ref::Operand& ra,
                   const ref::Operand& rb) {
-    const int64_t m = a.values.size(0), n = b.values.size(0);
     const std::vector<double> want = ref::gemm(ref::Layout::nt, ra, rb);
-    Tensor fma_bits;
-    for (Isa isa : {Isa::scalar, Isa::avx2, Isa::avx512}) {
-      if (!isa_supported(isa)) continue;
-      SCOPED_TRACE(isa_name(isa));
-      ScopedIsa scoped(isa);
-      Tensor d = Tensor::empty({m, n}, DType::f32);
-      fp8_fp4_gemm_nt(a, b, d, Tensor(), o);
-      const std::vector<double> got = ref::to_f64(d);
+    on_every_fma_isa(a, b, o, [&](const std::vector<double>& got) {
       for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], want[i], 1e-5 * std::fabs(want[i])) << "element " << i;
-      if (!fma_bits.defined()) fma_bits = d;
-      else EXPECT_EQ(std::memcmp(d.data(), fma_bits.data(), static_cast<size_t>(m * n) * 4), 0) << "FMA-class paths differ";
-    }
+    });
   };
   GemmOptions o;
   o.recipe_a = OperandRecipe{1, 128};
@@ -452,6 +449,8 @@ TEST(Gemm, DOverlappingItselfRaises) {
   EXPECT_NO_THROW(bf16_gemm_nt(a.slice(0, 0, 1), b, Tensor::from_blob(buf.data(), {1, 8}, DType::f32, Device::cpu(), {0, 1})));
 }
 
+// D sharing memory with an operand (review finding, 2026-12-03): bf16_gemm_nt(a, b, a) was
+// accepted and half the outputs were wrong (the kernels read a after writing parts of d).
 TEST(Gemm, DOverlappingAnOperandRaises) {
   Tensor a = Tensor::zeros({64, 64}, DType::bf16), b = Tensor::zeros({64, 64}, DType::bf16);
   EXPECT_MOEKIT_ERROR_ARG(bf16_gemm_nt(a, b, a), "d");
