@@ -64,6 +64,22 @@ TEST(Errors, NullDataIsRejectedAtFromBlob) {
   EXPECT_EQ(q.sf.shape(), (Shape{0, 2}));
 }
 
+// Strides whose furthest element lies 2^63 bytes or more away are refused at from_blob: views
+// and kernels form byte offsets index · stride · element size in int64 (UB past it).
+TEST(Errors, FromBlobStridesBeyondInt64Raise) {
+  float x[4] = {};
+  const int64_t huge = int64_t{1} << 62;
+  EXPECT_MOEKIT_ERROR_ARG(Tensor::from_blob(x, {4}, DType::f32, Device::cpu(), {huge}), "strides");  // 3·2^62·4 bytes
+  EXPECT_MOEKIT_ERROR_ARG(Tensor::from_blob(x, {2, 2}, DType::f32, Device::cpu(), {huge / 4, huge / 4}), "strides");  // 2^62 + 2^62
+  // An empty tensor's other extents count too (a select on them forms the offset).
+  EXPECT_MOEKIT_ERROR_ARG(Tensor::from_blob(x, {0, 3}, DType::f32, Device::cpu(), {1, huge}), "strides");
+  // Up to the limit the view is made, and its views' offsets are exact.
+  const Tensor t = Tensor::from_blob(x, {2, 3}, DType::bf16, Device::cpu(), {huge / 2 - 1, 1});
+  EXPECT_EQ(static_cast<const char*>(t.select(1, 2).data()) - static_cast<const char*>(t.data()), 4);
+  const Tensor empty = Tensor::from_blob(x, {0, 3}, DType::u8, Device::cpu(), {huge, 1});  // extent 0: no reach
+  EXPECT_EQ(empty.select(1, 2).numel(), 0);
+}
+
 // ------------------------------------------------------------------ per-token fp8
 
 TEST(Errors, PerTokenCastToFp8) {

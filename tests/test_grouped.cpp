@@ -42,7 +42,7 @@ Tensor filled(const Shape& shape, DType dtype) {
 
 Tensor i32(const std::vector<int32_t>& v) {
   Tensor t = Tensor::empty({static_cast<int64_t>(v.size())}, DType::i32);
-  std::memcpy(t.data(), v.data(), v.size() * 4);
+  if (!v.empty()) std::memcpy(t.data(), v.data(), v.size() * 4);
   return t;
 }
 
@@ -499,6 +499,70 @@ TEST(Grouped, BadInputRaisesNamedErrors) {
   for (int64_t i = 0; i < d8.numel(); ++i) ASSERT_EQ(d8.data_ptr<float>()[i], kSentinel);
   // Rejected calls wrote nothing.
   for (int64_t i = 0; i < d.numel(); ++i) ASSERT_EQ(d.data_ptr<float>()[i], kSentinel);
+}
+
+// A view over an input's bytes at another group's rows: each group's dense call sees a D apart
+// from its own slices, so only a check of the whole call catches it (it once wrote group 0's
+// rows into group 1's input). Every form raises on "d" and leaves the input as it was.
+TEST(Grouped, DOverlappingAnInputRaises) {
+  AlignmentGuard guard;
+  set_mk_alignment_for_contiguous_layout(4);
+  auto view_at = [](const Tensor& t, int64_t byte_offset, const Shape& shape, DType dtype) {
+    return Tensor::from_blob(static_cast<char*>(t.data()) + byte_offset, shape, dtype);
+  };
+  auto unchanged = [](const Tensor& t, const std::vector<char>& before) {
+    return std::memcmp(t.data(), before.data(), before.size()) == 0;
+  };
+  auto bytes = [](const Tensor& t) {
+    const char* p = static_cast<const char*>(t.data());
+    return std::vector<char>(p, p + t.numel() * static_cast<int64_t>(t.element_size()));
+  };
+  const Tensor a = random_bf16({8, 64}, 31), b = random_bf16({2, 16, 64}, 32);
+  const Tensor rows = i32({4, 8});  // psum: group 0 rows 0..3, group 1 rows 4..7
+  const std::vector<char> a0 = bytes(a), b0 = bytes(b);
+  const Tensor d_on_a = view_at(a, 4 * 64 * 2, {8, 16}, DType::bf16);  // group 0's D rows = a's row 4
+  EXPECT_MOEKIT_ERROR_ARG(m_grouped_bf16_gemm_nt_contiguous(a, b, d_on_a, rows, true), "d");
+  EXPECT_MOEKIT_ERROR_ARG(m_grouped_bf16_gemm_nt_contiguous(a, b, view_at(b, 16 * 64 * 2, {8, 16}, DType::bf16), rows, true), "d");
+  const std::vector<PackedWeights> pw = pack_bf16_weights_grouped(b);
+  EXPECT_MOEKIT_ERROR_ARG(m_grouped_bf16_gemm_packed_contiguous(a, pw, d_on_a, rows, true), "d");
+  EXPECT_TRUE(unchanged(a, a0));
+  EXPECT_TRUE(unchanged(b, b0));
+
+  const Tensor am = random_bf16({2, 4, 64}, 33);
+  const std::vector<char> am0 = bytes(am);
+  const Tensor dm_on_a = view_at(am, 4 * 64 * 2, {2, 4, 16}, DType::bf16);  // group 0's D = a's group 1
+  EXPECT_MOEKIT_ERROR_ARG(m_grouped_bf16_gemm_nt_masked(am, b, dm_on_a, i32({4, 4}), 4), "d");
+  EXPECT_MOEKIT_ERROR_ARG(m_grouped_bf16_gemm_packed_masked(am, pw, dm_on_a, i32({4, 4}), 4), "d");
+  EXPECT_TRUE(unchanged(am, am0));
+
+  const Quantized qa = per_token_cast_to_fp8(random_bf16({8, 128}, 34), false);
+  const Weights w = make_weights(Kind::fp8, 2, 16, 128, 35);
+  const std::vector<char> qa0 = bytes(qa.values), wb0 = bytes(w.q.values);
+  const Tensor d8_on_a = view_at(qa.values, 4 * 128, {8, 16}, DType::bf16);
+  EXPECT_MOEKIT_ERROR_ARG(m_grouped_fp8_gemm_nt_contiguous(qa, w.q, d8_on_a, rows, true), "d");
+  EXPECT_MOEKIT_ERROR_ARG(m_grouped_fp8_fp4_gemm_packed_contiguous(qa, pack_fp8_fp4_weights_grouped(w.q), d8_on_a, rows, true), "d");
+  const Quantized qm{qa.values.reshape({2, 4, 128}), qa.sf.reshape({2, 4, 1})};
+  EXPECT_MOEKIT_ERROR_ARG(m_grouped_fp8_gemm_nt_masked(qm, w.q, view_at(w.q.values, 16 * 128, {2, 4, 16}, DType::bf16), i32({4, 4}), 4), "d");
+  EXPECT_TRUE(unchanged(qa.values, qa0));
+  EXPECT_TRUE(unchanged(w.q.values, wb0));
+
+  // k-grouped: group 0's D over the rows of b that group 1 reads.
+  const Tensor ka = random_bf16({64, 4}, 36), kb = random_bf16({64, 32}, 37);
+  const std::vector<char> kb0 = bytes(kb);
+  EXPECT_MOEKIT_ERROR_ARG(k_grouped_bf16_gemm_tn_contiguous(ka, kb, view_at(kb, 32 * 32 * 2, {2, 4, 32}, DType::f32), {32, 32}, Tensor()), "d");
+  EXPECT_TRUE(unchanged(kb, kb0));
+}
+
+// Packed calls with no groups: no weights give N, and no row is computed, so D may have any
+// width and is left as it was.
+TEST(Grouped, PackedCallsWithNoGroupsTakeAnyWidth) {
+  const Tensor a = random_bf16({4, 64}, 41);
+  Tensor d = filled({4, 16}, DType::f32);
+  m_grouped_bf16_gemm_packed_contiguous(a, {}, d, i32({-1, -1, -1, -1}), false);
+  m_grouped_bf16_gemm_packed_contiguous(a, {}, d, i32({}), true);
+  m_grouped_bf16_gemm_packed_masked(random_bf16({0, 4, 64}, 42), {}, filled({0, 4, 16}, DType::f32), i32({}), 1);
+  for (int64_t i = 0; i < d.numel(); ++i) ASSERT_EQ(d.data_ptr<float>()[i], kSentinel);
+  EXPECT_MOEKIT_ERROR_ARG(m_grouped_bf16_gemm_packed_contiguous(a, {}, d, i32({0, -1, -1, -1}), false), "grouped_layout");
 }
 
 }  // namespace

@@ -61,7 +61,9 @@ class Tensor {
   // Owned, 64-byte-aligned, uninitialised / zero-filled storage. Contiguous row-major.
   static Tensor empty(const Shape& shape, DType dtype, Device device = Device::cpu());
   static Tensor zeros(const Shape& shape, DType dtype, Device device = Device::cpu());
-  // Wraps caller memory; the caller keeps it alive. Strides default to row-major.
+  // Wraps caller memory; the caller keeps it alive. Strides default to row-major; given
+  // strides must be non-negative, with the furthest element's byte offset below 2^63 (every
+  // extent counts, an empty tensor's others too), else moekit::Error on "strides".
   static Tensor from_blob(void* data, const Shape& shape, DType dtype, Device device = Device::cpu(),
                           const Shape& strides = {});
   static Tensor from_blob(const void* data, const Shape& shape, DType dtype,

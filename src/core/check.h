@@ -4,6 +4,7 @@
 
 #include <initializer_list>
 #include <string>
+#include <utility>
 
 #include "moekit/error.h"
 #include "moekit/tensor.h"
@@ -32,6 +33,11 @@ void check_cpu_matrix(const char* fn, const char* arg, const Tensor& t,
 // Whether the byte ranges two views reach intersect (conservative: interleaved views of one
 // buffer count as overlapping); false when either is undefined or empty.
 bool views_overlap(const Tensor& x, const Tensor& y);
+// An output apart from every input (undefined or empty inputs pass): kernels read their
+// inputs after writing parts of the output (review finding, 2026-12-03: bf16_gemm_nt(a, b, a)
+// was accepted).
+void check_apart(const char* fn, const char* arg, const Tensor& out,
+                 std::initializer_list<std::pair<const char*, const Tensor*>> inputs);
 
 // a >= 0, b > 0; no intermediate overflow even for b near INT64_MAX.
 inline int64_t ceil_div(int64_t a, int64_t b) { return a / b + (a % b != 0); }

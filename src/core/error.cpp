@@ -92,6 +92,12 @@ bool views_overlap(const Tensor& x, const Tensor& y) {
   return x0 < y1 && y0 < x1;
 }
 
+void check_apart(const char* fn, const char* arg, const Tensor& out,
+                 std::initializer_list<std::pair<const char*, const Tensor*>> inputs) {
+  for (const auto& [name, t] : inputs)
+    if (views_overlap(out, *t)) fail(fn, arg, std::string("memory apart from ") + name, std::string("a view that overlaps ") + name);
+}
+
 void check_cpu_matrix(const char* fn, const char* arg, const Tensor& t,
                       std::initializer_list<DType> allowed) {
   check_cpu(fn, arg, t);

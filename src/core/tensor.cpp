@@ -172,6 +172,17 @@ Tensor Tensor::from_blob(void* data, const Shape& shape, DType dtype, Device dev
          std::to_string(strides.size()));
   for (int64_t s : strides)
     if (s < 0) fail("Tensor::from_blob", "strides", "non-negative strides", shape_str(strides));
+  // Views (slice, select) and kernels form byte offsets index · stride · element size: they
+  // fit in int64 when the furthest element does.
+  int64_t span = 0;
+  for (size_t i = 0; i < strides.size(); ++i) {
+    int64_t reach = 0;
+    if (shape[i] > 0 && (__builtin_mul_overflow(shape[i] - 1, strides[i], &reach) ||
+                         __builtin_mul_overflow(reach, static_cast<int64_t>(moekit::element_size(dtype)), &reach) ||
+                         __builtin_add_overflow(span, reach, &span)))
+      fail("Tensor::from_blob", "strides", "strides whose furthest element lies within 2^63 bytes",
+           "shape " + shape_str(shape) + ", strides " + shape_str(strides));
+  }
   Tensor t;
   t.data_ = data;
   t.shape_ = shape;

@@ -468,13 +468,6 @@ void run_gemm(const char* fn, GemmOperand a, GemmOperand b, const Output& out, c
 
 // ---------------------------------------------------------------- validation
 
-// D lies apart from the operands (and their scales): the kernels read them after writing
-// parts of D (review finding, 2026-12-03: bf16_gemm_nt(a, b, a) was accepted).
-void check_d_apart(const char* fn, const Tensor& d, std::initializer_list<std::pair<const char*, const Tensor*>> inputs) {
-  for (const auto& [arg, t] : inputs)
-    if (detail::views_overlap(d, *t)) fail(fn, "d", std::string("memory apart from ") + arg, std::string("a view that overlaps ") + arg);
-}
-
 std::string dims(int64_t a, int64_t b) { return shape_str({a, b}); }
 
 // Logical (mn, k) of a stored operand, and its description without scales.
@@ -545,7 +538,7 @@ void bf16_gemm(const char* fn, Side sa, Side sb, const Tensor& a, const Tensor& 
   const GemmOperand gb = describe(fn, "b", b, sb == Side::t, {DType::bf16});
   check_k(fn, ga, gb);
   const Output out = describe_output(fn, d, c, ga.mn, gb.mn);
-  check_d_apart(fn, d, {{"a", &a}, {"b", &b}});
+  detail::check_apart(fn, "d", d, {{"a", &a}, {"b", &b}});
   run_gemm(fn, ga, gb, out);
 }
 
@@ -581,7 +574,7 @@ void scaled_gemm(const char* fn, Side sa, Side sb, const Quantized& a, const Qua
   attach_scales(fn, "a.sf", ga, a.sf, resolve(options, true, any_fp4));
   attach_scales(fn, "b.sf", gb, b.sf, resolve(options, false, any_fp4));
   const Output out = describe_output(fn, d, c, ga.mn, gb.mn);
-  check_d_apart(fn, d, {{"a.values", &a.values}, {"a.sf", &a.sf}, {"b.values", &b.values}, {"b.sf", &b.sf}});
+  detail::check_apart(fn, "d", d, {{"a.values", &a.values}, {"a.sf", &a.sf}, {"b.values", &b.values}, {"b.sf", &b.sf}});
   run_gemm(fn, ga, gb, out);
 }
 
@@ -665,7 +658,7 @@ PackedWeights pack_fp8_fp4_weights(const Quantized& b, bool k_major, const GemmO
 
 void bf16_gemm_packed(const Tensor& a, const PackedWeights& b, const Tensor& d, const Tensor& c) {
   const GemmOperand ga = describe("bf16_gemm_packed", "a", a, true, {DType::bf16});
-  check_d_apart("bf16_gemm_packed", d, {{"a", &a}});
+  detail::check_apart("bf16_gemm_packed", "d", d, {{"a", &a}});
   run_packed("bf16_gemm_packed", ga, b, d, c);
 }
 
@@ -676,7 +669,7 @@ void fp8_fp4_gemm_packed(const Quantized& a, const PackedWeights& b, const Tenso
   const bool a_fp4 = ga.dtype == DType::e2m1x2;
   if (a_fp4 && b.defined()) resolve_packed_extent(fn, "a.values", ga.k, b.k(), ga.k / 2);
   attach_scales(fn, "a.sf", ga, a.sf, resolve(options, true, a_fp4 || b.source_dtype() == DType::e2m1x2));
-  check_d_apart(fn, d, {{"a.values", &a.values}, {"a.sf", &a.sf}});
+  detail::check_apart(fn, "d", d, {{"a.values", &a.values}, {"a.sf", &a.sf}});
   run_packed(fn, ga, b, d, c);
 }
 

@@ -140,6 +140,7 @@ void bf16_contiguous(const char* fn, DenseBf16 dense, const Tensor& a, const Ten
   const int64_t m = a.size(0);
   const int64_t n = dense == &bf16_gemm_nt ? b.size(1) : b.size(2);
   check_output(fn, "d", d, {m, n});
+  detail::check_apart(fn, "d", d, {{"a", &a}, {"b", &b}, {"grouped_layout", &layout}});
   run_groups(fn, b.size(0), contiguous_runs(fn, layout, m, b.size(0), psum), false, [&](int64_t g, int64_t r0, int64_t r1) {
     dense(a.slice(0, r0, r1), b.select(0, g), d.slice(0, r0, r1), Tensor());
   });
@@ -160,6 +161,7 @@ void fp8_contiguous(const char* fn, DenseFp8 dense, const Quantized& a, const Qu
   const bool n_from_d = !nt && b.values.dtype() == DType::e2m1x2 && d.defined() && d.dim() == 2;
   const int64_t n = nt ? b.values.size(1) : n_from_d ? d.size(1) : b.values.size(2);
   check_output(fn, "d", d, {m, n});
+  detail::check_apart(fn, "d", d, {{"a.values", &a.values}, {"a.sf", &a.sf}, {"b.values", &b.values}, {"b.sf", &b.sf}, {"grouped_layout", &layout}});
   run_groups(fn, groups, contiguous_runs(fn, layout, m, groups, psum), false, [&](int64_t g, int64_t r0, int64_t r1) {
     dense({a.values.slice(0, r0, r1), a.sf.slice(0, r0, r1)}, {b.values.select(0, g), b.sf.select(0, g)},
           d.slice(0, r0, r1), Tensor(), o);
@@ -258,6 +260,13 @@ int64_t check_packed(const char* fn, const std::vector<PackedWeights>& b, int64_
   return b.empty() ? 0 : b[0].n();
 }
 
+// N of a packed grouped call: the weights' (check_packed); with no groups there are no
+// weights to take it from and no rows to compute, so D's last extent is taken as it is.
+int64_t packed_n(const char* fn, const std::vector<PackedWeights>& b, const Tensor& d, int64_t groups = -1) {
+  const int64_t n = check_packed(fn, b, groups);
+  return b.empty() && d.defined() && d.dim() > 0 ? d.size(-1) : n;
+}
+
 }  // namespace
 
 std::vector<PackedWeights> pack_bf16_weights_grouped(const Tensor& b, bool k_major) {
@@ -283,7 +292,8 @@ void m_grouped_bf16_gemm_packed_contiguous(const Tensor& a, const std::vector<Pa
   constexpr const char* fn = "m_grouped_bf16_gemm_packed_contiguous";
   detail::check_cpu_matrix(fn, "a", a, {DType::bf16});
   const int64_t m = a.size(0), groups = static_cast<int64_t>(b.size());
-  check_output(fn, "d", d, {m, check_packed(fn, b)});
+  check_output(fn, "d", d, {m, packed_n(fn, b, d)});
+  detail::check_apart(fn, "d", d, {{"a", &a}, {"grouped_layout", &grouped_layout}});
   run_groups(fn, groups, contiguous_runs(fn, grouped_layout, m, groups, use_psum_layout), false,
              [&](int64_t g, int64_t r0, int64_t r1) { bf16_gemm_packed(a.slice(0, r0, r1), b[static_cast<size_t>(g)], d.slice(0, r0, r1)); });
 }
@@ -297,7 +307,8 @@ void m_grouped_fp8_fp4_gemm_packed_contiguous(const Quantized& a, const std::vec
   check_gran_m(fn, options);
   const int64_t m = a.values.size(0), groups = static_cast<int64_t>(b.size());
   if (a.sf.size(0) != m) fail(fn, "a.sf", std::to_string(m) + " rows (one per row of a)", shape_str(a.sf.shape()));
-  check_output(fn, "d", d, {m, check_packed(fn, b)});
+  check_output(fn, "d", d, {m, packed_n(fn, b, d)});
+  detail::check_apart(fn, "d", d, {{"a.values", &a.values}, {"a.sf", &a.sf}, {"grouped_layout", &grouped_layout}});
   run_groups(fn, groups, contiguous_runs(fn, grouped_layout, m, groups, use_psum_layout), true,
              [&](int64_t g, int64_t r0, int64_t r1) {
                fp8_fp4_gemm_packed({a.values.slice(0, r0, r1), a.sf.slice(0, r0, r1)}, b[static_cast<size_t>(g)],
@@ -310,7 +321,8 @@ void m_grouped_bf16_gemm_packed_masked(const Tensor& a, const std::vector<Packed
   constexpr const char* fn = "m_grouped_bf16_gemm_packed_masked";
   check_weights(fn, "a", a, {DType::bf16});
   const int64_t groups = a.size(0), max_m = a.size(1);
-  check_output(fn, "d", d, {groups, max_m, check_packed(fn, b, groups)});
+  check_output(fn, "d", d, {groups, max_m, packed_n(fn, b, d, groups)});
+  detail::check_apart(fn, "d", d, {{"a", &a}, {"masked_m", &masked_m}});
   run_groups(fn, groups, masked_runs(fn, masked_m, groups, max_m, expected_m), false, [&](int64_t g, int64_t, int64_t r1) {
     bf16_gemm_packed(a.select(0, g).slice(0, 0, r1), b[static_cast<size_t>(g)], d.select(0, g).slice(0, 0, r1));
   });
@@ -323,7 +335,8 @@ void m_grouped_fp8_fp4_gemm_packed_masked(const Quantized& a, const std::vector<
   const int64_t groups = a.values.size(0), max_m = a.values.size(1);
   check_masked_scales(fn, a.sf, groups, max_m);
   check_gran_m(fn, options);
-  check_output(fn, "d", d, {groups, max_m, check_packed(fn, b, groups)});
+  check_output(fn, "d", d, {groups, max_m, packed_n(fn, b, d, groups)});
+  detail::check_apart(fn, "d", d, {{"a.values", &a.values}, {"a.sf", &a.sf}, {"masked_m", &masked_m}});
   run_groups(fn, groups, masked_runs(fn, masked_m, groups, max_m, expected_m), true, [&](int64_t g, int64_t, int64_t r1) {
     fp8_fp4_gemm_packed({a.values.select(0, g).slice(0, 0, r1), a.sf.select(0, g).slice(0, 0, r1)}, b[static_cast<size_t>(g)],
                         d.select(0, g).slice(0, 0, r1), Tensor(), options);
@@ -337,6 +350,7 @@ void k_grouped_bf16_gemm_tn_contiguous(const Tensor& a, const Tensor& b, const T
   detail::check_cpu_matrix(fn, "b", b, {DType::bf16});
   const int64_t groups = static_cast<int64_t>(ks.size());
   check_k_grouped_output(fn, d, c, {groups, a.size(1), b.size(1)});
+  detail::check_apart(fn, "d", d, {{"a", &a}, {"b", &b}});
   const std::vector<int64_t> off = k_offsets(fn, ks, a.size(0), b.size(0));
   auto group = [&](int64_t g) {
     call_dense(fn, g, [&] {
@@ -359,6 +373,7 @@ void k_grouped_fp8_gemm_tn_contiguous(const Quantized& a, const Quantized& b, co
   detail::check_dtype(fn, "b.sf", b.sf, {DType::f32});
   const int64_t groups = static_cast<int64_t>(ks.size());
   check_k_grouped_output(fn, d, c, {groups, a.values.size(1), b.values.size(1)});
+  detail::check_apart(fn, "d", d, {{"a.values", &a.values}, {"a.sf", &a.sf}, {"b.values", &b.values}, {"b.sf", &b.sf}});
   const std::vector<int64_t> off = k_offsets(fn, ks, a.values.size(0), b.values.size(0));
   int64_t blocks = 0;  // scale rows used so far (ceil(K_g / 128) per group)
   for (int64_t g = 0; g < groups; ++g) blocks += ceil_div(ks[static_cast<size_t>(g)], 128);
@@ -413,6 +428,7 @@ void m_grouped_bf16_gemm_nt_masked(const Tensor& a, const Tensor& b, const Tenso
   const int64_t groups = a.size(0), max_m = a.size(1);
   check_slab(fn, "b", b, {DType::bf16}, groups);
   check_output(fn, "d", d, {groups, max_m, b.size(1)});
+  detail::check_apart(fn, "d", d, {{"a", &a}, {"b", &b}, {"masked_m", &masked_m}});
   run_groups(fn, groups, masked_runs(fn, masked_m, groups, max_m, expected_m), false, [&](int64_t g, int64_t, int64_t r1) {
     bf16_gemm_nt(a.select(0, g).slice(0, 0, r1), b.select(0, g), d.select(0, g).slice(0, 0, r1), Tensor());
   });
@@ -429,6 +445,7 @@ void m_grouped_fp8_gemm_nt_masked(const Quantized& a, const Quantized& b, const 
   if (b.sf.size(0) != groups) fail(fn, "b.sf", std::to_string(groups) + " groups", shape_str(b.sf.shape()));
   check_gran_m(fn, options);
   check_output(fn, "d", d, {groups, max_m, b.values.size(1)});
+  detail::check_apart(fn, "d", d, {{"a.values", &a.values}, {"a.sf", &a.sf}, {"b.values", &b.values}, {"b.sf", &b.sf}, {"masked_m", &masked_m}});
   run_groups(fn, groups, masked_runs(fn, masked_m, groups, max_m, expected_m), false, [&](int64_t g, int64_t, int64_t r1) {
     fp8_fp4_gemm_nt({a.values.select(0, g).slice(0, 0, r1), a.sf.select(0, g).slice(0, 0, r1)},
                     {b.values.select(0, g), b.sf.select(0, g)}, d.select(0, g).slice(0, 0, r1), Tensor(), options);
