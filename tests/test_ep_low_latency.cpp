@@ -1216,6 +1216,69 @@ TEST(EpLowLatency, CombineOfASmallerResultKeepsTheLargerLive) {
   expect_combined(ca.combined_x, expected_combined(wa, Fmt::bf16, Expert::scaled, no_mask()), wa, "A combined_x");
 }
 
+// A dispatch (combine) whose regions cannot fit beside the live result of the last combine
+// (dispatch) in the half it takes raises on every rank before it moves anything, and the
+// buffer goes on (the refused call is counted, as every refused call is: ll_call). X (1024 tokens at most, H = 128) has the larger dispatch part, Y (8 tokens,
+// H = 16896) the larger combine part: each fits a half of the size hint of the larger, but
+// X's dispatch beside Y's combine does not (for any rank count up to 16: the dispatch part
+// grows by a row of 2H + 4 bytes per received row, the combine part by 2H).
+TEST(EpLowLatency, RegionsThatCannotFitBesideTheLiveResultRaise) {
+  const int R = num_ranks();
+  const auto four = tokens_per_rank([](int) { return int64_t{4}; });
+  const LLWorld wx = make_ll_world(ll_spec(128, 1, 1, 1024, four, 620, Data::rank_encoded));
+  const LLWorld wy = make_ll_world(ll_spec(16896, 1, 1, 8, four, 621, Data::random));
+  ASSERT_LE(R, 16);
+  BufferOptions o;
+  o.timeout_s = 10;  // a check that does not fire makes the others wait this long, not forever
+  BufferGuard buf = make_ll_buffer(std::max(wx.hint(), wy.hint()), o);
+  auto expect_half_error = [](const std::function<void()>& call, const char* what) {
+    SCOPED_TRACE(what);
+    bool raised = false;
+    try {
+      call();
+    } catch (const TimeoutError& e) {
+      ADD_FAILURE() << "a TimeoutError, not an argument check: " << e.what();
+    } catch (const moekit::Error& e) {
+      raised = true;
+      EXPECT_NE(std::string(e.what()).find("num_rdma_bytes"), std::string::npos) << e.what();
+    }
+    EXPECT_TRUE(raised) << "no moekit::Error";
+    return all_ranks(raised);
+  };
+  // Dispatch side: Y dispatched and combined in half 1, X dispatched in half 0, then X again
+  // in half 1, beside Y's combined output.
+  LowLatencyDispatchResult y, x1, x2;
+  LowLatencyCombineResult cy, cx;
+  if (!collective_step("dispatch Y, combine Y, dispatch X", [&] {
+        y = run_dispatch(*buf, dispatch_args(wy, Fmt::bf16, Completion::sync), Completion::sync);
+        cy = combine_private(*buf, wy, y, Fmt::bf16, Expert::scaled, Completion::sync);
+        x1 = run_dispatch(*buf, dispatch_args(wx, Fmt::bf16, Completion::sync), Completion::sync);
+      }))
+    return;
+  if (!expect_half_error([&] { x2 = run_dispatch(*buf, dispatch_args(wx, Fmt::bf16, Completion::sync), Completion::sync); },
+                         "dispatch X beside Y's combined output"))
+    return;
+  expect_combined(cy.combined_x, expected_combined(wy, Fmt::bf16, Expert::scaled, no_mask()), wy, "Y combined_x after the refusal");
+  // (The refused call took dispatch number 3.) X's first result combines (half 0) as usual.
+  if (!collective_step("combine X", [&] { cx = combine_private(*buf, wx, x1, Fmt::bf16, Expert::scaled, Completion::sync); })) return;
+  expect_combined(cx.combined_x, expected_combined(wx, Fmt::bf16, Expert::scaled, no_mask()), wx, "X combined_x");
+
+  // Combine side, on a fresh buffer: X dispatched into half 1, Y into half 0; Y's combine (the
+  // first) takes half 1, beside X's live dispatch.
+  BufferGuard fresh = make_ll_buffer(std::max(wx.hint(), wy.hint()), o);
+  if (!collective_step("dispatch X, dispatch Y", [&] {
+        x2 = run_dispatch(*fresh, dispatch_args(wx, Fmt::bf16, Completion::sync), Completion::sync);
+        y = run_dispatch(*fresh, dispatch_args(wy, Fmt::bf16, Completion::sync), Completion::sync);
+      }))
+    return;
+  if (!expect_half_error([&] { cy = combine_private(*fresh, wy, y, Fmt::bf16, Expert::scaled, Completion::sync); },
+                         "combine Y beside X's live dispatch"))
+    return;
+  check_ll_dispatch(x2, wx, Fmt::bf16, no_mask());
+  if (!collective_step("combine X", [&] { cx = combine_private(*fresh, wx, x2, Fmt::bf16, Expert::scaled, Completion::sync); })) return;
+  expect_combined(cx.combined_x, expected_combined(wx, Fmt::bf16, Expert::scaled, no_mask()), wx, "X combined_x (second)");
+}
+
 // H = 7168 (DeepSeek's hidden size) on a buffer of exactly the size hint.
 TEST(EpLowLatency, Hidden7168OnExactSizeHint) {
   const int R = num_ranks();
