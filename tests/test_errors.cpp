@@ -73,11 +73,20 @@ TEST(Errors, FromBlobStridesBeyondInt64Raise) {
   EXPECT_MOEKIT_ERROR_ARG(Tensor::from_blob(x, {2, 2}, DType::f32, Device::cpu(), {huge / 4, huge / 4}), "strides");  // 2^62 + 2^62
   // An empty tensor's other extents count too (a select on them forms the offset).
   EXPECT_MOEKIT_ERROR_ARG(Tensor::from_blob(x, {0, 3}, DType::f32, Device::cpu(), {1, huge}), "strides");
-  // Up to the limit the view is made, and its views' offsets are exact.
+  // At the limit: the last bf16 element of {2} ending at byte 2^63 - 2 is fine, at 2^63 not.
+  EXPECT_MOEKIT_ERROR_ARG(Tensor::from_blob(x, {2}, DType::bf16, Device::cpu(), {huge - 1}), "strides");
+  const Tensor edge = Tensor::from_blob(x, {2}, DType::bf16, Device::cpu(), {huge - 2});
+  EXPECT_EQ(edge.stride(0), huge - 2);  // (its second element, 2^63 - 4 bytes on, is not formed here)
   const Tensor t = Tensor::from_blob(x, {2, 3}, DType::bf16, Device::cpu(), {huge / 2 - 1, 1});
   EXPECT_EQ(static_cast<const char*>(t.select(1, 2).data()) - static_cast<const char*>(t.data()), 4);
   const Tensor empty = Tensor::from_blob(x, {0, 3}, DType::u8, Device::cpu(), {huge, 1});  // extent 0: no reach
   EXPECT_EQ(empty.select(1, 2).numel(), 0);
+  // Default (row-major) strides: an empty tensor's other extents are bounded as if they held
+  // elements (their strides are products of the later extents).
+  EXPECT_MOEKIT_ERROR_ARG(Tensor::from_blob(x, {0, int64_t{1} << 40, int64_t{1} << 40}, DType::f32), "shape");
+  EXPECT_MOEKIT_ERROR_ARG(Tensor::from_blob(x, {0, huge}, DType::f32), "shape");
+  EXPECT_MOEKIT_ERROR_ARG(Tensor::empty({0, huge}, DType::f32), "shape");
+  EXPECT_EQ(Tensor::empty({0, int64_t{1} << 40}, DType::f32).select(1, (int64_t{1} << 40) - 1).numel(), 0);
 }
 
 // ------------------------------------------------------------------ per-token fp8

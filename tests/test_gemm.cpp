@@ -689,6 +689,66 @@ TEST(Gemm, NaNPropagation) {
   }
 }
 
+// NaN results are the canonical quiet NaN (f32 0x7fc00000, bf16 0x7fc0) on every path, so
+// every FMA-class ISA gives the same bits: e4m3 codes 0x7f and 0xff in B, an A code 0xff, a
+// NaN bf16 activation with a payload and its sign set, and a NaN in C with a payload, at
+// M = 1 and 3 (small M), 20 (narrow items; K = 256 with f32 D and no C writes the tiles
+// straight into D) and 40, f32 and bf16 D, with and without C. (The portable path had ended
+// with -NaN for code 0xff where AVX2 had +NaN, and AVX2 kept an activation's payload.)
+TEST(Gemm, NaNResultsAreTheCanonicalQuietNaNOnEveryIsa) {
+  const int64_t n = 20, k = 256;
+  auto bits_of = [](const Tensor& d) {
+    std::vector<uint32_t> v(static_cast<size_t>(d.numel()));
+    for (int64_t i = 0; i < d.numel(); ++i)
+      v[static_cast<size_t>(i)] = d.dtype() == DType::f32 ? std::bit_cast<uint32_t>(d.data_ptr<float>()[i]) : d.data_ptr<uint16_t>()[i];
+    return v;
+  };
+  for (const int64_t m : {1, 3, 20, 40})
+    for (const bool fp8 : {true, false})
+      for (const DType out : {DType::f32, DType::bf16})
+        for (const bool with_c : {false, true}) {
+          SCOPED_TRACE("m " + std::to_string(m) + (fp8 ? ", fp8" : ", bf16") + ", D " + dtype_name(out) + (with_c ? ", C" : ""));
+          Tensor xa = random_bf16(m, k, 61), xb = random_bf16(n, k, 62);
+          Quantized qa = per_token_cast_to_fp8(xa, false), qb = per_block_cast_to_fp8(xb, false);
+          if (fp8) {
+            qa.values.data_ptr<uint8_t>()[0 * k + 9] = 0xff;    // row 0
+            qb.values.data_ptr<uint8_t>()[3 * k + 17] = 0xff;   // column 3
+            qb.values.data_ptr<uint8_t>()[5 * k + 200] = 0x7f;  // column 5
+          } else {  // NaNs with payloads, of either sign
+            xa.data_ptr<uint16_t>()[0 * k + 9] = 0xffc5;
+            xb.data_ptr<uint16_t>()[3 * k + 17] = 0xff83;
+            xb.data_ptr<uint16_t>()[5 * k + 200] = 0x7fc3;
+          }
+          Tensor c = Tensor::empty({m, n}, out);
+          for (int64_t i = 0; i < m * n; ++i) {
+            const float v = i == m * n - 1 ? std::bit_cast<float>(0xffa00001u) : 0.5f;  // the last element: C is NaN
+            if (out == DType::f32) c.data_ptr<float>()[i] = v;
+            else c.data_ptr<uint16_t>()[i] = i == m * n - 1 ? 0xffa1 : f32_to_bf16(v);
+          }
+          std::vector<uint32_t> first;
+          for (Isa isa : {Isa::scalar, Isa::avx2, Isa::avx512}) {
+            if (!isa_supported(isa)) continue;
+            SCOPED_TRACE(isa_name(isa));
+            ScopedIsa scoped(isa);
+            Tensor d = Tensor::empty({m, n}, out);
+            if (fp8) fp8_gemm_nt(qa, qb, d, with_c ? c : Tensor());
+            else bf16_gemm_nt(xa, xb, d, with_c ? c : Tensor());
+            const std::vector<uint32_t> got = bits_of(d);
+            const uint32_t qnan = out == DType::f32 ? 0x7fc00000u : 0x7fc0u;
+            for (int64_t i = 0; i < m; ++i)
+              for (int64_t j = 0; j < n; ++j) {
+                const bool nan = i == 0 || j == 3 || j == 5 || (with_c && i == m - 1 && j == n - 1);
+                const uint32_t b = got[static_cast<size_t>(i * n + j)];
+                if (nan) EXPECT_EQ(b, qnan) << "element " << i << ", " << j;
+                else EXPECT_NE(b & (out == DType::f32 ? 0x7f800000u : 0x7f80u), out == DType::f32 ? 0x7f800000u : 0x7f80u)
+                    << "element " << i << ", " << j << " should be finite";
+              }
+            if (first.empty()) first = got;
+            else EXPECT_EQ(got, first) << "FMA-class paths differ";
+          }
+        }
+}
+
 // ---------------------------------------------------------------- bad input
 
 TEST(Gemm, BadInputRaisesNamedErrors) {

@@ -546,6 +546,15 @@ TEST(Grouped, DOverlappingAnInputRaises) {
   EXPECT_TRUE(unchanged(qa.values, qa0));
   EXPECT_TRUE(unchanged(w.q.values, wb0));
 
+  // D over the layout / masked_m tensor (both views of one buffer here).
+  std::vector<float> shared(1024, 0.0f);
+  const Tensor layout = Tensor::from_blob(shared.data(), {2}, DType::i32);
+  layout.data_ptr<int32_t>()[0] = 4, layout.data_ptr<int32_t>()[1] = 8;
+  EXPECT_MOEKIT_ERROR_ARG(m_grouped_bf16_gemm_nt_contiguous(a, b, Tensor::from_blob(shared.data(), {8, 16}, DType::f32), layout, true), "d");
+  EXPECT_MOEKIT_ERROR_ARG(m_grouped_bf16_gemm_nt_masked(am, b, Tensor::from_blob(shared.data(), {2, 4, 16}, DType::f32), layout, 4), "d");
+  EXPECT_EQ(layout.data_ptr<int32_t>()[0], 4);
+  EXPECT_EQ(layout.data_ptr<int32_t>()[1], 8);
+
   // k-grouped: group 0's D over the rows of b that group 1 reads.
   const Tensor ka = random_bf16({64, 4}, 36), kb = random_bf16({64, 32}, 37);
   const std::vector<char> kb0 = bytes(kb);

@@ -74,13 +74,17 @@ Shape row_major_strides(const Shape& shape) {
   return strides;
 }
 
+// The element count, below 2^48 also with an empty tensor's zero extents taken as 1: the
+// row-major strides (products of the later extents) and every view's offsets then fit in
+// int64 whatever the extents beside a zero.
 int64_t checked_numel(const char* fn, const Shape& shape) {
-  int64_t n = 1;
+  int64_t n = 1, spread = 1;
   for (size_t i = 0; i < shape.size(); ++i) {
     if (shape[i] < 0)
       fail(fn, "shape", "non-negative extents", shape_str(shape));
-    if (shape[i] != 0 && n > (int64_t{1} << 48) / shape[i])
-      fail(fn, "shape", "fewer than 2^48 elements", shape_str(shape));
+    if (shape[i] != 0 && spread > (int64_t{1} << 48) / shape[i])
+      fail(fn, "shape", "fewer than 2^48 elements (zero extents counted as 1)", shape_str(shape));
+    spread *= std::max<int64_t>(shape[i], 1);
     n *= shape[i];
   }
   return n;
@@ -172,15 +176,15 @@ Tensor Tensor::from_blob(void* data, const Shape& shape, DType dtype, Device dev
          std::to_string(strides.size()));
   for (int64_t s : strides)
     if (s < 0) fail("Tensor::from_blob", "strides", "non-negative strides", shape_str(strides));
-  // Views (slice, select) and kernels form byte offsets index · stride · element size: they
-  // fit in int64 when the furthest element does.
-  int64_t span = 0;
+  // Views (slice, select) and kernels form byte offsets index · stride · element size, and
+  // views_overlap the end of the furthest element: they fit in int64 when that end does.
+  int64_t span = static_cast<int64_t>(moekit::element_size(dtype));
   for (size_t i = 0; i < strides.size(); ++i) {
     int64_t reach = 0;
     if (shape[i] > 0 && (__builtin_mul_overflow(shape[i] - 1, strides[i], &reach) ||
                          __builtin_mul_overflow(reach, static_cast<int64_t>(moekit::element_size(dtype)), &reach) ||
                          __builtin_add_overflow(span, reach, &span)))
-      fail("Tensor::from_blob", "strides", "strides whose furthest element lies within 2^63 bytes",
+      fail("Tensor::from_blob", "strides", "strides whose furthest element ends within 2^63 bytes",
            "shape " + shape_str(shape) + ", strides " + shape_str(strides));
   }
   Tensor t;

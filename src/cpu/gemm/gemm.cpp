@@ -90,6 +90,18 @@ struct AccBlock {
   int64_t width, panel_stride;
 };
 
+// NaN results are written as the canonical quiet NaN (f32 0x7fc00000, bf16 0x7fc0) on every
+// path: which NaN an FMA chain ends with (its sign and payload) depends on the order in which
+// NaN operands meet, and on how a target's decoder makes an e4m3 NaN code, which the targets
+// do not share (found 2026-12-04: code 0xff gave -NaN on the portable path and +NaN on
+// AVX2; a NaN activation's payload survived on AVX2 only). One compare and blend per output
+// element, so that every FMA-class target gives the same bits for any input.
+inline float canonical(float v) { return v != v ? std::numeric_limits<float>::quiet_NaN() : v; }
+void canonicalize(float* p, int64_t n) {
+#pragma omp simd
+  for (int64_t t = 0; t < n; ++t) p[t] = canonical(p[t]);
+}
+
 // f32 D (and C): each panel's piece of a row straight from the sums, C added on the way, no
 // staging row. K-grouped 4 x 4096 x 7168 x 512 accumulating into C = D, 2 threads: 139-145
 // -> 123-124 ms (the staged version below had been a third of the call). (Requesting C's
@@ -106,9 +118,11 @@ void write_block_f32(const Output& out, const AccBlock& acc, int64_t m0, int64_t
         const float* cv = crow + j;
         float* dv = drow + j;
 #pragma omp simd
-        for (int64_t t = 0; t < len; ++t) dv[t] = sums[t] + cv[t];
+        for (int64_t t = 0; t < len; ++t) dv[t] = canonical(sums[t] + cv[t]);
       } else {
-        std::memcpy(drow + j, sums, static_cast<size_t>(len) * sizeof(float));
+        float* dv = drow + j;
+#pragma omp simd
+        for (int64_t t = 0; t < len; ++t) dv[t] = canonical(sums[t]);
       }
     }
   }
@@ -142,6 +156,7 @@ void write_block(const Output& out, const AccBlock& acc, int64_t m0, int64_t m1,
         }
         for (int64_t t = 0; t < len; ++t) row[t] += cv[t];
       }
+      canonicalize(row, len);
       if (out.dtype == DType::f32) std::memcpy(reinterpret_cast<float*>(drow) + j, row, static_cast<size_t>(len) * 4);
       else fk.f32_to_bf16(row, reinterpret_cast<uint16_t*>(drow) + j, len);
     }
@@ -234,6 +249,7 @@ void sweep_into_d(const detail::GemmKernels& kern, const float* pa, const float*
     for (int64_t jr = 0; jr < nc; jr += kern.nr)
       kern.tile(kc, ap, pb + panels_floats(kern, jr / kern.nr, kc, kern.nr), d + ir * ldd + jr, ldd, rows,
                 static_cast<int>(std::min<int64_t>(kern.nr, nc - jr)), accumulate);
+    for (int i = 0; i < rows; ++i) canonicalize(d + (ir + i) * ldd, nc);  // (the strip's rows, still in L1/L2)
   }
 }
 
