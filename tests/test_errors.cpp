@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <string>
@@ -87,6 +88,48 @@ TEST(Errors, FromBlobStridesBeyondInt64Raise) {
   EXPECT_MOEKIT_ERROR_ARG(Tensor::from_blob(x, {0, huge}, DType::f32), "shape");
   EXPECT_MOEKIT_ERROR_ARG(Tensor::empty({0, huge}, DType::f32), "shape");
   EXPECT_EQ(Tensor::empty({0, int64_t{1} << 40}, DType::f32).select(1, (int64_t{1} << 40) - 1).numel(), 0);
+}
+
+// ------------------------------------------------------------------ outputs over inputs
+
+// A cast's outputs must hold distinct elements and lie apart from its input and from each
+// other (the scales are written before the codes are made from x; rows are written while
+// later rows are read): every overlap raises on the output's name and writes nothing.
+TEST(Errors, CastOutputsOverlappingInputsRaise) {
+  const int64_t m = 8, k = 256;
+  std::vector<float> buf(4 * m * k, 1.0f);  // one slab: x, then room for views over it
+  for (size_t i = 0; i < buf.size(); ++i) buf[i] = 0.25f + static_cast<float>(i % 7);
+  const std::vector<float> before = buf;
+  char* base = reinterpret_cast<char*>(buf.data());
+  const Tensor x = Tensor::from_blob(base, {m, k}, DType::f32);
+  const Tensor q_over_x = Tensor::from_blob(base + k, {m, k}, DType::e4m3);   // inside x's rows
+  const Tensor sf_over_x = Tensor::from_blob(base + 64, {m, 2}, DType::f32);  // inside x's row 0
+  const Tensor q = Tensor::empty({m, k}, DType::e4m3), sf = Tensor::empty({m, 2}, DType::f32);
+  const Tensor q_over_sf = Tensor::from_blob(sf.data(), {2, 4}, DType::e4m3);
+  using moekit::per_token_cast_to_fp8_into;
+  EXPECT_MOEKIT_ERROR_ARG(per_token_cast_to_fp8_into(x, q_over_x, sf, false), "q");
+  EXPECT_MOEKIT_ERROR_ARG(per_token_cast_to_fp8_into(x, q, sf_over_x, false), "sf");
+  EXPECT_MOEKIT_ERROR_ARG(per_token_cast_to_fp8_into(x.slice(0, 0, 2).slice(1, 0, 4), q_over_sf, sf.slice(0, 0, 2).slice(1, 0, 1), false, 4), "q");
+  // q overlapping itself (a zero row stride)
+  EXPECT_MOEKIT_ERROR_ARG(per_token_cast_to_fp8_into(x, Tensor::from_blob(q.data(), {m, k}, DType::e4m3, Device::cpu(), {0, 1}), sf, false), "q");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::per_token_cast_to_fp4_into(x, Tensor::from_blob(base + 2 * k, {m, k / 2}, DType::e2m1x2), Tensor::empty({m, 8}, DType::f32), true, 32), "q");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::per_block_cast_to_fp8_into(x, q_over_x, Tensor::empty({1, 2}, DType::f32), false), "q");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::per_block_cast_to_fp8_into(x, q, Tensor::from_blob(base, {1, 2}, DType::f32), false), "sf");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::per_channel_cast_to_fp8_into(x, q_over_x, Tensor::empty({1, k}, DType::f32), false, 128), "q");
+  EXPECT_MOEKIT_ERROR_ARG(moekit::per_channel_cast_to_fp8_into(x, q, Tensor::from_blob(base + 4 * k, {1, k}, DType::f32), false, 128), "sf");
+  EXPECT_EQ(buf, before) << "a refused cast wrote into its input";
+  // Dequantisation: out over q or over sf.
+  const moekit::Quantized qz = moekit::per_token_cast_to_fp8(x, false);
+  std::vector<float> slab(2 * m * k, 0.0f);  // q's codes, then an f32 out starting inside them
+  std::memcpy(slab.data(), qz.values.data(), static_cast<size_t>(m * k));
+  const Tensor q_in_slab = Tensor::from_blob(slab.data(), {m, k}, DType::e4m3);
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp8_into(q_in_slab, qz.sf, Tensor::from_blob(slab.data() + 64, {m, k}, DType::f32), 1, 128), "out");
+  const Tensor wide_out = Tensor::empty({m, k}, DType::f32);
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp8_into(qz.values, Tensor::from_blob(wide_out.data(), {m, 2}, DType::f32), wide_out, 1, 128), "out");
+  // convert: dst over src refused unless it is the same view (a copy onto itself).
+  EXPECT_MOEKIT_ERROR_ARG(moekit::convert(x, Tensor::from_blob(base + 2 * k, {m, k}, DType::bf16)), "dst");
+  moekit::convert(x, x);
+  EXPECT_EQ(buf, before);
 }
 
 // ------------------------------------------------------------------ per-token fp8

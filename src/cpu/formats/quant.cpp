@@ -210,6 +210,17 @@ void check_scales(const char* fn, const Tensor& sf, const Shape& shape) {
   check_shape(fn, "sf", sf, shape);
 }
 
+// A cast's outputs hold distinct elements and lie apart from its input and from each other:
+// the scales are written before the codes are made from x, and rows are written while later
+// rows are read (a q laid over x, or sf over x, silently gave wrong codes before 2026-12-04).
+void check_outputs_apart(const char* fn, const Tensor& in, const char* in_name, const Tensor& a, const char* a_name,
+                         const Tensor& b, const char* b_name) {
+  detail::check_no_self_overlap(fn, a_name, a);
+  detail::check_no_self_overlap(fn, b_name, b);
+  detail::check_apart(fn, a_name, a, {{in_name, &in}, {b_name, &b}});
+  detail::check_apart(fn, b_name, b, {{in_name, &in}});
+}
+
 void per_token_cast(const char* fn, const Tensor& x, const Tensor& q, const Tensor& sf,
                     bool use_ue8m0, int64_t gran_k, Narrow fmt) {
   check_cpu_matrix(fn, "x", x, {DType::f32, DType::bf16});
@@ -220,6 +231,7 @@ void per_token_cast(const char* fn, const Tensor& x, const Tensor& q, const Tens
   check_cpu_matrix(fn, "q", q, {fp4 ? DType::e2m1x2 : DType::e4m3});
   check_shape(fn, "q", q, {m, fp4 ? ceil_div(k, 2) : k});
   check_scales(fn, sf, {m, ceil_div(k, gran_k)});
+  check_outputs_apart(fn, x, "x", q, "q", sf, "sf");
   if (m == 0 || k == 0) return;  // (no elements, no scales: not a pass over M empty rows)
   const auto& kern = detail::format_kernels();
   const int wide = static_cast<int>(wide_of(x));
@@ -280,6 +292,7 @@ void per_block_cast_to_fp8_into(const Tensor& x, const Tensor& q, const Tensor& 
   check_cpu_matrix(fn, "q", q, {DType::e4m3});
   check_shape(fn, "q", q, {m, k});
   check_scales(fn, sf, {ceil_div(m, block_m), ceil_div(k, block_k)});
+  check_outputs_apart(fn, x, "x", q, "q", sf, "sf");
   if (m == 0 || k == 0) return;  // (no elements, no scales)
   const auto& kern = detail::format_kernels();
   const int wide = static_cast<int>(wide_of(x));
@@ -353,6 +366,7 @@ void per_channel_cast_to_fp8_into(const Tensor& x, const Tensor& q, const Tensor
   check_cpu_matrix(fn, "q", q, {DType::e4m3});
   check_shape(fn, "q", q, {k, mn});
   check_scales(fn, sf, {ceil_div(k, gran_k), mn});
+  check_outputs_apart(fn, x, "x", q, "q", sf, "sf");
   if (k == 0 || mn == 0) return;  // (no elements, no scales)
   const auto& kern = detail::format_kernels();
   const int wide = static_cast<int>(wide_of(x));
@@ -441,6 +455,8 @@ void cast_back(const char* fn, const Tensor& q, const Tensor& sf, const Tensor& 
   const int64_t groups = ceil_div(k, gran_k);
   check_cpu_matrix(fn, "sf", sf, {DType::f32, DType::i32});
   check_shape(fn, "sf", sf, {ceil_div(m, gran_m), sf.dtype() == DType::f32 ? groups : ceil_div(groups, 4)});
+  detail::check_no_self_overlap(fn, "out", out);
+  detail::check_apart(fn, "out", out, {{"q", &q}, {"sf", &sf}});
   if (m == 0 || k == 0) return;  // (nothing to write)
   const auto& kern = detail::format_kernels();
   const int wide = static_cast<int>(wide_of(out));
@@ -587,6 +603,9 @@ void convert(const Tensor& src, const Tensor& dst) {
   Shape expected = wide.shape();
   if (other.dtype() == DType::e2m1x2) expected.back() = ceil_div(cols, 2);
   check_shape(fn, to_narrow || wide_pair ? "dst" : "src", other, expected);
+  // (dst over src is a copy onto itself only when both are one view of one dtype; any other
+  // overlap races between threads' rows or reads what was just written)
+  if (!(src.data() == dst.data() && src.dtype() == dst.dtype())) detail::check_apart(fn, "dst", dst, {{"src", &src}});
   const auto& kern = detail::format_kernels();
   const float one = 1.0f;
   const int64_t other_row_bytes = expected.back() * static_cast<int64_t>(other.element_size());
