@@ -1501,6 +1501,15 @@ TEST(EpLowLatency, BadArgumentsRaiseOnEveryRank) {
     a.zero_copy = true;
     EXPECT_EP_ERROR(buf->low_latency_combine(a));
   }
+  {
+    SCOPED_TRACE("combine: out over x (the expert outputs peers read), and out overlapping itself");
+    LowLatencyCombineArgs a = combine_args(w, r, y, Completion::sync);
+    a.out = Tensor::from_blob(y.data(), {T, H}, DType::bf16);
+    EXPECT_EP_ERROR(buf->low_latency_combine(a));
+    const Tensor one_row = Tensor::empty({1, H}, DType::bf16);  // (every rank has 3 tokens or more)
+    a.out = Tensor::from_blob(one_row.data(), {T, H}, DType::bf16, moekit::Device::cpu(), {0, 1});
+    EXPECT_EP_ERROR(buf->low_latency_combine(a));
+  }
   for (int64_t bad : {int64_t{w.E}, int64_t{-2}, int64_t{1} << 40}) {
     SCOPED_TRACE("combine: expert id " + std::to_string(bad) + " in topk_idx");
     LowLatencyCombineArgs a = combine_args(w, r, y, Completion::sync);
