@@ -345,19 +345,21 @@ struct V {
       const __m128i bits = _mm_load_si128(reinterpret_cast<const __m128i*>(scales + g));
       take |= table_scales4(bits) << g;
       const __m256d s = _mm256_cvtps_pd(_mm_castsi128_ps(bits));
+      // The first bf16 at or above a bound, straight from its f64 pattern (bf16 values are
+      // f64 values with 7 mantissa bits): the pattern rounded up at bit 45, re-biased from
+      // 1023 to 127 and shifted down to 16 bits. The bounds of the scales taken are normal in
+      // bf16. (Before 2026-12-04: through the nearest f32 and a compare, 14 ops a bound.)
+      constexpr int64_t kLow = (int64_t{1} << 45) - 1, kRebias = int64_t{1023 - 127} << 52;
       for (int b = 0; b < 7; ++b) {
-        __m256d bound = _mm256_mul_pd(s, _mm256_set1_pd(kBounds[b]));
-        if (kStrict[b])  // the next double up: bf16 values above the bound reach it
-          bound = _mm256_castsi256_pd(_mm256_add_epi64(_mm256_castpd_si256(bound), _mm256_set1_epi64x(1)));
-        // the first f32 at or above the bound: the nearest, one up where that is below it
-        const __m128 nearest = _mm256_cvtpd_ps(bound);
-        const __m256d below = _mm256_cmp_pd(_mm256_cvtps_pd(nearest), bound, _CMP_LT_OQ);
-        const __m128i below32 = _mm_castps_si128(_mm_shuffle_ps(_mm256_castps256_ps128(_mm256_castpd_ps(below)),
-                                                                _mm256_extractf128_ps(_mm256_castpd_ps(below), 1), _MM_SHUFFLE(2, 0, 2, 0)));
-        const __m128i up = _mm_sub_epi32(_mm_castps_si128(nearest), below32);
-        // the first bf16 at or above it, less one, in both halves
-        const __m128i bf16 = _mm_sub_epi32(_mm_srli_epi32(_mm_add_epi32(up, _mm_set1_epi32(0xffff)), 16), _mm_set1_epi32(1));
-        _mm_store_si128(reinterpret_cast<__m128i*>(t + b * kThresholdChunk + g), _mm_or_si128(bf16, _mm_slli_epi32(bf16, 16)));
+        __m256i bound = _mm256_castpd_si256(_mm256_mul_pd(s, _mm256_set1_pd(kBounds[b])));
+        // strict bounds: the next double up (bf16 values above the bound reach it)
+        bound = _mm256_add_epi64(bound, _mm256_set1_epi64x(kStrict[b] ? kLow + 1 : kLow));
+        const __m256i bf16 = _mm256_srli_epi64(_mm256_sub_epi64(bound, _mm256_set1_epi64x(kRebias)), 45);
+        // less one, in both 16-bit halves of each dword (four groups: dwords 0, 2, 4, 6)
+        const __m256i less = _mm256_sub_epi64(bf16, _mm256_set1_epi64x(1));
+        const __m256i both = _mm256_or_si256(less, _mm256_slli_epi64(less, 16));
+        const __m128i packed = _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(both, _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6)));
+        _mm_store_si128(reinterpret_cast<__m128i*>(t + b * kThresholdChunk + g), packed);
       }
     }
     return take & static_cast<uint32_t>((uint64_t{1} << count) - 1);
