@@ -1280,6 +1280,42 @@ TEST(EpLowLatency, RegionsThatCannotFitBesideTheLiveResultRaise) {
   expect_combined(cx.combined_x, expected_combined(wx, Fmt::bf16, Expert::scaled, no_mask()), wx, "X combined_x (second)");
 }
 
+// x inside the buffer half a dispatch fills (here the rows of the result two dispatches old,
+// whose half the call takes) would be overwritten while it is read: every rank raises on "x"
+// before anything moves, and the buffer goes on.
+TEST(EpLowLatency, DispatchOfXInsideTheHalfItFillsRaises) {
+  const int R = num_ranks(), me = my_rank();
+  const LLWorld w = make_ll_world(ll_spec(256, 2, std::min(4, 2 * R), 8, tokens_per_rank([](int i) { return int64_t{3} + i % 6; }), 905));
+  BufferOptions o;
+  o.timeout_s = 10;
+  BufferGuard buf = make_ll_buffer(w.hint(), o);
+  LowLatencyDispatchResult r1, r2, r3;
+  if (!collective_step("two dispatches", [&] {
+        r1 = run_dispatch(*buf, dispatch_args(w, Fmt::bf16, Completion::sync), Completion::sync);
+        r2 = run_dispatch(*buf, dispatch_args(w, Fmt::bf16, Completion::sync), Completion::sync);
+      }))
+    return;
+  LowLatencyDispatchArgs a = dispatch_args(w, Fmt::bf16, Completion::sync);
+  a.x = Tensor::from_blob(r1.recv_x.data(), {w.T(me), w.H}, DType::bf16);
+  bool raised = false;
+  try {
+    (void)buf->low_latency_dispatch(a);
+    ADD_FAILURE() << "no moekit::Error";
+  } catch (const TimeoutError& e) {
+    ADD_FAILURE() << "a TimeoutError, not an argument check: " << e.what();
+  } catch (const moekit::Error& e) {
+    raised = true;
+    EXPECT_EQ(e.argument(), "x") << e.what();
+  }
+  if (!all_ranks(raised)) return;
+  check_ll_dispatch(r2, w, Fmt::bf16, no_mask());  // the live result is intact
+  if (!collective_step("dispatch after the refusal", [&] { r3 = run_dispatch(*buf, dispatch_args(w, Fmt::bf16, Completion::sync), Completion::sync); })) return;
+  check_ll_dispatch(r3, w, Fmt::bf16, no_mask());
+  LowLatencyCombineResult c;
+  if (!collective_step("combine", [&] { c = combine_private(*buf, w, r3, Fmt::bf16, Expert::scaled, Completion::sync); })) return;
+  expect_combined(c.combined_x, expected_combined(w, Fmt::bf16, Expert::scaled, no_mask()), w, "combined_x");
+}
+
 // H = 7168 (DeepSeek's hidden size) on a buffer of exactly the size hint.
 TEST(EpLowLatency, Hidden7168OnExactSizeHint) {
   const int R = num_ranks();
@@ -1504,11 +1540,21 @@ TEST(EpLowLatency, BadArgumentsRaiseOnEveryRank) {
   {
     SCOPED_TRACE("combine: out over x (the expert outputs peers read), and out overlapping itself");
     LowLatencyCombineArgs a = combine_args(w, r, y, Completion::sync);
+    auto expect_out_error = [&] {
+      try {
+        (void)buf->low_latency_combine(a);
+        ADD_FAILURE() << "no moekit::Error";
+      } catch (const TimeoutError& e) {
+        ADD_FAILURE() << "a TimeoutError, not an argument check: " << e.what();
+      } catch (const moekit::Error& e) {
+        EXPECT_EQ(e.argument(), "out") << e.what();
+      }
+    };
     a.out = Tensor::from_blob(y.data(), {T, H}, DType::bf16);
-    EXPECT_EP_ERROR(buf->low_latency_combine(a));
+    expect_out_error();
     const Tensor one_row = Tensor::empty({1, H}, DType::bf16);  // (every rank has 3 tokens or more)
     a.out = Tensor::from_blob(one_row.data(), {T, H}, DType::bf16, moekit::Device::cpu(), {0, 1});
-    EXPECT_EP_ERROR(buf->low_latency_combine(a));
+    expect_out_error();
   }
   for (int64_t bad : {int64_t{w.E}, int64_t{-2}, int64_t{1} << 40}) {
     SCOPED_TRACE("combine: expert id " + std::to_string(bad) + " in topk_idx");

@@ -64,7 +64,7 @@ class Tensor {
   // Wraps caller memory; the caller keeps it alive. Strides default to row-major; given
   // strides must be non-negative, with the furthest element ending within 2^63 bytes (every
   // extent counts, an empty tensor's others too), else moekit::Error on "strides". Shapes
-  // (here and in empty / zeros) hold fewer than 2^48 elements, zero extents counted as 1.
+  // (here and in empty / zeros) hold at most 2^48 elements, zero extents counted as 1.
   static Tensor from_blob(void* data, const Shape& shape, DType dtype, Device device = Device::cpu(),
                           const Shape& strides = {});
   static Tensor from_blob(const void* data, const Shape& shape, DType dtype,

@@ -74,7 +74,7 @@ Shape row_major_strides(const Shape& shape) {
   return strides;
 }
 
-// The element count, below 2^48 also with an empty tensor's zero extents taken as 1: the
+// The element count, at most 2^48 also with an empty tensor's zero extents taken as 1: the
 // row-major strides (products of the later extents) and every view's offsets then fit in
 // int64 whatever the extents beside a zero.
 int64_t checked_numel(const char* fn, const Shape& shape) {
@@ -83,7 +83,7 @@ int64_t checked_numel(const char* fn, const Shape& shape) {
     if (shape[i] < 0)
       fail(fn, "shape", "non-negative extents", shape_str(shape));
     if (shape[i] != 0 && spread > (int64_t{1} << 48) / shape[i])
-      fail(fn, "shape", "fewer than 2^48 elements (zero extents counted as 1)", shape_str(shape));
+      fail(fn, "shape", "at most 2^48 elements (zero extents counted as 1)", shape_str(shape));
     spread *= std::max<int64_t>(shape[i], 1);
     n *= shape[i];
   }

@@ -587,6 +587,12 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch_checked(const LowLatencyDi
   }
 
   check_half_fits(m, fn, "x", L.dispatch_bytes(), m.ll_combine_bytes[(m.ll_dispatches + 1) & 1]);
+  {  // x inside the half this call fills (an old result's rows, say) would be overwritten as it is read
+    const char* next = m.peers[static_cast<size_t>(m.local_rank)].low_latency->data() +
+                       static_cast<size_t>((m.ll_dispatches + 1) & 1) * m.ll_half_stride();
+    const Tensor half_bytes = Tensor::from_blob(next, {static_cast<int64_t>(m.ll_half_stride())}, DType::u8);
+    moekit::detail::check_apart(fn, "x", a.x, {{"the buffer half this dispatch fills", &half_bytes}});
+  }
 
   // Send: wait until every reader of this half (two calls ago) is done, then fill it.
   const uint64_t call = ++m.ll_dispatches;

@@ -605,7 +605,8 @@ void convert(const Tensor& src, const Tensor& dst) {
   check_shape(fn, to_narrow || wide_pair ? "dst" : "src", other, expected);
   // (dst over src is a copy onto itself only when both are one view of one dtype; any other
   // overlap races between threads' rows or reads what was just written)
-  if (!(src.data() == dst.data() && src.dtype() == dst.dtype())) detail::check_apart(fn, "dst", dst, {{"src", &src}});
+  if (src.data() == dst.data() && src.dtype() == dst.dtype()) return;  // one contiguous view: already its own copy
+  detail::check_apart(fn, "dst", dst, {{"src", &src}});
   const auto& kern = detail::format_kernels();
   const float one = 1.0f;
   const int64_t other_row_bytes = expected.back() * static_cast<int64_t>(other.element_size());
