@@ -56,6 +56,29 @@ bool collective_step(const std::string& what, F&& f, MPI_Comm comm = MPI_COMM_WO
   return all_ranks(ok, comm);
 }
 
+// call() must raise a moekit::Error (not a TimeoutError, not another exception) that passes
+// check(e); returns whether it raised one (this rank only).
+template <class Call, class Check>
+bool expect_ep_error_where(Call&& call, Check&& check) {
+  try {
+    call();
+    ADD_FAILURE() << "no moekit::Error";
+  } catch (const TimeoutError& e) {
+    ADD_FAILURE() << "a TimeoutError, not an argument check: " << e.what();
+  } catch (const moekit::Error& e) {
+    check(e);
+    return true;
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "wrong exception type: " << e.what();
+  }
+  return false;
+}
+// ... on the argument arg.
+template <class Call>
+bool expect_ep_error_on(Call&& call, const std::string& arg) {
+  return expect_ep_error_where(call, [&](const moekit::Error& e) { EXPECT_EQ(e.argument(), arg) << e.what(); });
+}
+
 // An argument check must raise moekit::Error — not a TimeoutError, not another exception.
 #define EXPECT_EP_ERROR(stmt)                                                                        \
   do {                                                                                               \

@@ -1234,17 +1234,9 @@ TEST(EpLowLatency, RegionsThatCannotFitBesideTheLiveResultRaise) {
   BufferGuard buf = make_ll_buffer(std::max(wx.hint(), wy.hint()), o);
   auto expect_half_error = [](const std::function<void()>& call, const char* what) {
     SCOPED_TRACE(what);
-    bool raised = false;
-    try {
-      call();
-    } catch (const TimeoutError& e) {
-      ADD_FAILURE() << "a TimeoutError, not an argument check: " << e.what();
-    } catch (const moekit::Error& e) {
-      raised = true;
+    return all_ranks(expect_ep_error_where(call, [](const moekit::Error& e) {
       EXPECT_NE(std::string(e.what()).find("fit beside the live result"), std::string::npos) << e.what();
-    }
-    EXPECT_TRUE(raised) << "no moekit::Error";
-    return all_ranks(raised);
+    }));
   };
   // Dispatch side: Y dispatched and combined in half 1, X dispatched in half 0, then X again
   // in half 1, beside Y's combined output.
@@ -1297,17 +1289,7 @@ TEST(EpLowLatency, DispatchOfXInsideTheHalfItFillsRaises) {
     return;
   LowLatencyDispatchArgs a = dispatch_args(w, Fmt::bf16, Completion::sync);
   a.x = Tensor::from_blob(r1.recv_x.data(), {w.T(me), w.H}, DType::bf16);
-  bool raised = false;
-  try {
-    (void)buf->low_latency_dispatch(a);
-    ADD_FAILURE() << "no moekit::Error";
-  } catch (const TimeoutError& e) {
-    ADD_FAILURE() << "a TimeoutError, not an argument check: " << e.what();
-  } catch (const moekit::Error& e) {
-    raised = true;
-    EXPECT_EQ(e.argument(), "x") << e.what();
-  }
-  if (!all_ranks(raised)) return;
+  if (!all_ranks(expect_ep_error_on([&] { (void)buf->low_latency_dispatch(a); }, "x"))) return;
   check_ll_dispatch(r2, w, Fmt::bf16, no_mask());  // the live result is intact
   if (!collective_step("dispatch after the refusal", [&] { r3 = run_dispatch(*buf, dispatch_args(w, Fmt::bf16, Completion::sync), Completion::sync); })) return;
   check_ll_dispatch(r3, w, Fmt::bf16, no_mask());
@@ -1540,21 +1522,11 @@ TEST(EpLowLatency, BadArgumentsRaiseOnEveryRank) {
   {
     SCOPED_TRACE("combine: out over x (the expert outputs peers read), and out overlapping itself");
     LowLatencyCombineArgs a = combine_args(w, r, y, Completion::sync);
-    auto expect_out_error = [&] {
-      try {
-        (void)buf->low_latency_combine(a);
-        ADD_FAILURE() << "no moekit::Error";
-      } catch (const TimeoutError& e) {
-        ADD_FAILURE() << "a TimeoutError, not an argument check: " << e.what();
-      } catch (const moekit::Error& e) {
-        EXPECT_EQ(e.argument(), "out") << e.what();
-      }
-    };
     a.out = Tensor::from_blob(y.data(), {T, H}, DType::bf16);
-    expect_out_error();
+    expect_ep_error_on([&] { (void)buf->low_latency_combine(a); }, "out");
     const Tensor one_row = Tensor::empty({1, H}, DType::bf16);  // (every rank has 3 tokens or more)
     a.out = Tensor::from_blob(one_row.data(), {T, H}, DType::bf16, moekit::Device::cpu(), {0, 1});
-    expect_out_error();
+    expect_ep_error_on([&] { (void)buf->low_latency_combine(a); }, "out");
   }
   for (int64_t bad : {int64_t{w.E}, int64_t{-2}, int64_t{1} << 40}) {
     SCOPED_TRACE("combine: expert id " + std::to_string(bad) + " in topk_idx");
