@@ -543,6 +543,9 @@ TEST(Grouped, DOverlappingAnInputRaises) {
   EXPECT_MOEKIT_ERROR_ARG(m_grouped_fp8_fp4_gemm_packed_contiguous(qa, pack_fp8_fp4_weights_grouped(w.q), d8_on_a, rows, true), "d");
   const Quantized qm{qa.values.reshape({2, 4, 128}), qa.sf.reshape({2, 4, 1})};
   EXPECT_MOEKIT_ERROR_ARG(m_grouped_fp8_gemm_nt_masked(qm, w.q, view_at(w.q.values, 16 * 128, {2, 4, 16}, DType::bf16), i32({4, 4}), 4), "d");
+  EXPECT_MOEKIT_ERROR_ARG(m_grouped_fp8_fp4_gemm_packed_masked(qm, pack_fp8_fp4_weights_grouped(w.q), view_at(qa.values, 4 * 128, {2, 4, 16}, DType::bf16),
+                                                               i32({4, 4}), 4),
+                          "d");
   EXPECT_TRUE(unchanged(qa.values, qa0));
   EXPECT_TRUE(unchanged(w.q.values, wb0));
 
@@ -560,6 +563,10 @@ TEST(Grouped, DOverlappingAnInputRaises) {
   const std::vector<char> kb0 = bytes(kb);
   EXPECT_MOEKIT_ERROR_ARG(k_grouped_bf16_gemm_tn_contiguous(ka, kb, view_at(kb, 32 * 32 * 2, {2, 4, 32}, DType::f32), {32, 32}, Tensor()), "d");
   EXPECT_TRUE(unchanged(kb, kb0));
+  const Quantized ka8 = per_channel_cast_to_fp8(random_bf16({256, 4}, 38), false), kb8 = per_channel_cast_to_fp8(random_bf16({256, 32}, 39), false);
+  const std::vector<char> kb80 = bytes(kb8.values);
+  EXPECT_MOEKIT_ERROR_ARG(k_grouped_fp8_gemm_tn_contiguous(ka8, kb8, view_at(kb8.values, 128 * 32, {2, 4, 32}, DType::f32), {128, 128}, Tensor()), "d");
+  EXPECT_TRUE(unchanged(kb8.values, kb80));
 }
 
 // Packed calls with no groups: no weights give N, and no row is computed, so D may have any

@@ -38,6 +38,9 @@ bool views_overlap(const Tensor& x, const Tensor& y);
 // was accepted).
 void check_apart(const char* fn, const char* arg, const Tensor& out,
                  std::initializer_list<std::pair<const char*, const Tensor*>> inputs);
+// Both: an output with distinct elements (check_no_self_overlap) apart from every input.
+void check_output_apart(const char* fn, const char* arg, const Tensor& out,
+                        std::initializer_list<std::pair<const char*, const Tensor*>> inputs);
 
 // a >= 0, b > 0; no intermediate overflow even for b near INT64_MAX.
 inline int64_t ceil_div(int64_t a, int64_t b) { return a / b + (a % b != 0); }

@@ -98,6 +98,12 @@ void check_apart(const char* fn, const char* arg, const Tensor& out,
     if (views_overlap(out, *t)) fail(fn, arg, std::string("memory apart from ") + name, std::string("a view that overlaps ") + name);
 }
 
+void check_output_apart(const char* fn, const char* arg, const Tensor& out,
+                        std::initializer_list<std::pair<const char*, const Tensor*>> inputs) {
+  check_no_self_overlap(fn, arg, out);
+  check_apart(fn, arg, out, inputs);
+}
+
 void check_cpu_matrix(const char* fn, const char* arg, const Tensor& t,
                       std::initializer_list<DType> allowed) {
   check_cpu(fn, arg, t);

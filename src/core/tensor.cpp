@@ -178,11 +178,12 @@ Tensor Tensor::from_blob(void* data, const Shape& shape, DType dtype, Device dev
     if (s < 0) fail("Tensor::from_blob", "strides", "non-negative strides", shape_str(strides));
   // Views (slice, select) and kernels form byte offsets index · stride · element size, and
   // views_overlap the end of the furthest element: they fit in int64 when that end does.
-  int64_t span = static_cast<int64_t>(moekit::element_size(dtype));
+  const auto es = static_cast<int64_t>(moekit::element_size(dtype));
+  int64_t span = es;
   for (size_t i = 0; i < strides.size(); ++i) {
     int64_t reach = 0;
     if (shape[i] > 0 && (__builtin_mul_overflow(shape[i] - 1, strides[i], &reach) ||
-                         __builtin_mul_overflow(reach, static_cast<int64_t>(moekit::element_size(dtype)), &reach) ||
+                         __builtin_mul_overflow(reach, es, &reach) ||
                          __builtin_add_overflow(span, reach, &span)))
       fail("Tensor::from_blob", "strides", "strides whose furthest element ends within 2^63 bytes",
            "shape " + shape_str(shape) + ", strides " + shape_str(strides));

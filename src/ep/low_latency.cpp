@@ -766,8 +766,7 @@ LowLatencyCombineResult Buffer::low_latency_combine_checked(const LowLatencyComb
     check_cpu_matrix(fn, "out", a.out, {DType::bf16});
     check_shape(fn, "out", a.out, {T, H});
     // (peers may read x in place while this rank writes out; rows of out are written once each)
-    moekit::detail::check_no_self_overlap(fn, "out", a.out);
-    moekit::detail::check_apart(fn, "out", a.out, {{"x", &a.x}, {"topk_idx", &a.topk_idx}, {"topk_weights", &a.topk_weights}});
+    moekit::detail::check_output_apart(fn, "out", a.out, {{"x", &a.x}, {"topk_idx", &a.topk_idx}, {"topk_weights", &a.topk_weights}});
   }
   if (a.async_finish && a.return_recv_hook) fail(fn, "async_finish", "not together with return_recv_hook", "both set");
   // (Dispatch checked its ids; these may be another tensor. Every id indexes per-expert state below.)

@@ -215,10 +215,8 @@ void check_scales(const char* fn, const Tensor& sf, const Shape& shape) {
 // rows are read (a q laid over x, or sf over x, silently gave wrong codes before 2026-12-04).
 void check_outputs_apart(const char* fn, const Tensor& in, const char* in_name, const Tensor& a, const char* a_name,
                          const Tensor& b, const char* b_name) {
-  detail::check_no_self_overlap(fn, a_name, a);
-  detail::check_no_self_overlap(fn, b_name, b);
-  detail::check_apart(fn, a_name, a, {{in_name, &in}, {b_name, &b}});
-  detail::check_apart(fn, b_name, b, {{in_name, &in}});
+  detail::check_output_apart(fn, a_name, a, {{in_name, &in}, {b_name, &b}});
+  detail::check_output_apart(fn, b_name, b, {{in_name, &in}});
 }
 
 void per_token_cast(const char* fn, const Tensor& x, const Tensor& q, const Tensor& sf,
@@ -455,8 +453,7 @@ void cast_back(const char* fn, const Tensor& q, const Tensor& sf, const Tensor& 
   const int64_t groups = ceil_div(k, gran_k);
   check_cpu_matrix(fn, "sf", sf, {DType::f32, DType::i32});
   check_shape(fn, "sf", sf, {ceil_div(m, gran_m), sf.dtype() == DType::f32 ? groups : ceil_div(groups, 4)});
-  detail::check_no_self_overlap(fn, "out", out);
-  detail::check_apart(fn, "out", out, {{"q", &q}, {"sf", &sf}});
+  detail::check_output_apart(fn, "out", out, {{"q", &q}, {"sf", &sf}});
   if (m == 0 || k == 0) return;  // (nothing to write)
   const auto& kern = detail::format_kernels();
   const int wide = static_cast<int>(wide_of(out));
