@@ -1084,6 +1084,69 @@ TEST(EpIntranode, CombineOfZeroHidden) {
   }
 }
 
+// The normal combine's way of moving a private x (Buffer::combine_private_x): the same on
+// every rank after every call, decided after the probing calls where reads are possible, and
+// never a change in the bits. Combines whose x lives in the buffer everywhere do not count.
+TEST(EpIntranode, CombinePrivateXChoiceIsTheSameEverywhereAndKeepsTheBits) {
+  const int me = my_rank();
+  const World w = make_world(spec(1024, 4, 6, tokens_per_rank([](int i) { return 60 + 7 * i; }), 611));
+  const Expected ex = expect_for(w);
+  BufferGuard buf = make_buffer();
+  const Payload pl = make_payload(make_x(Data::random, 611, me, w.T(me), w.H), false);
+  const RoutingTensors rt = routing_of(w, ex);
+  DispatchResult res;
+  if (!collective_step("dispatch", [&] { res = buf->dispatch(fresh_args(pl, rt, true, 1, std::nullopt, false)); })) return;
+  auto path_code = [&] {
+    const std::string p = buf->combine_private_x();
+    return p == "probing" ? 0 : p == "read" ? 1 : p == "staged" ? 2 : 3;
+  };
+  auto expect_same_everywhere = [&](const std::string& when) {
+    int code[2] = {path_code(), -path_code()};
+    MPI_Allreduce(MPI_IN_PLACE, code, 2, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    EXPECT_EQ(code[0], -code[1]) << "combine_private_x differs between ranks " << when;
+    EXPECT_NE(path_code(), 3) << buf->combine_private_x();
+  };
+  const char* env = std::getenv("MOEKIT_EP_CMA");
+  const std::string forced = env != nullptr ? env : "";
+  // (one node: across nodes the normal combine moves rows through MPI, never reading x)
+  const bool reads = buf->reads_peer_memory() && buf->get_num_local_ranks() == buf->get_num_ranks();
+  auto expect_start = [&] {
+    if (!reads) EXPECT_STREQ(buf->combine_private_x(), "staged");
+    else EXPECT_STREQ(buf->combine_private_x(), forced == "1" ? "read" : "probing");
+  };
+  expect_start();
+  Tensor yw = Tensor::empty({res.recv_x.size(0), w.k}, DType::f32);
+  for (int64_t i = 0; i < yw.numel(); ++i) yw.data_ptr<float>()[i] = 0.5f;
+  // x in the buffer on every rank: read in place, not counted.
+  CombineArgs in_place;
+  in_place.x = res.recv_x;
+  in_place.handle = res.handle;
+  in_place.topk_weights = yw;
+  uint64_t want = 0;
+  for (int call = 0; call < 8; ++call) {
+    CombineResult comb;
+    if (!collective_step("combine in place", [&] { comb = buf->combine(in_place); })) return;
+    want = fnv1a(fnv1a(0, comb.combined_x), comb.combined_topk_weights);
+  }
+  expect_start();
+  // A private copy of the same rows: every call gives the bits of the in-place ones.
+  Tensor y = Tensor::empty(res.recv_x.shape(), DType::bf16);
+  y.copy_from(res.recv_x);
+  CombineArgs priv = in_place;
+  priv.x = y;
+  for (int call = 0; call < 9; ++call) {
+    SCOPED_TRACE("private call " + std::to_string(call));
+    CombineResult comb;
+    if (!collective_step("combine", [&] { comb = buf->combine(priv); })) return;
+    EXPECT_EQ(fnv1a(fnv1a(0, comb.combined_x), comb.combined_topk_weights), want);
+    expect_same_everywhere("after private call " + std::to_string(call));
+    if (!reads) EXPECT_STREQ(buf->combine_private_x(), "staged");
+    else if (forced == "1") EXPECT_STREQ(buf->combine_private_x(), "read");
+    else if (call < 6) EXPECT_STREQ(buf->combine_private_x(), "probing");  // (calls 0-5 probe; call 6 decides)
+    else EXPECT_STRNE(buf->combine_private_x(), "probing");
+  }
+}
+
 // ------------------------------------------------------------------ tests: worst case, cross-check, determinism
 
 TEST(EpIntranode, NumWorstTokens) {

@@ -23,6 +23,7 @@
 
 #include "ep/cma.h"
 #include "ep/copy.h"
+#include "ep/read_choice.h"
 #include "ep/shm.h"
 #include "ep_test_util.h"
 #include "moekit/formats.h"
@@ -131,6 +132,45 @@ TEST(EpKernels, WeightedReduceEveryPathMatchesFmaInOrder) {
       }
     }
   }
+}
+
+// The combine's choice between reading private x (cma) and staging it: calls 0 and 1 warm
+// up (cma, staged) unmeasured, calls 2 to 5 alternate measured, and call 6 keeps the way
+// whose two calls cost less (a tie stays staged); a forced choice never probes.
+TEST(EpKernels, CombineReadChoiceProbesBothWaysThenKeepsTheCheaper) {
+  using moekit::ep::detail::CombineReadChoice;
+  struct Run {
+    double cma, staged;  // the cost every measured call of that way reports
+    bool want;           // the verdict
+  };
+  for (const Run run : {Run{10, 30, true}, Run{30, 10, false}, Run{20, 20, false}}) {
+    SCOPED_TRACE("cma " + std::to_string(run.cma) + " staged " + std::to_string(run.staged));
+    CombineReadChoice c;
+    std::vector<bool> paths, measured;
+    double previous = 0;
+    for (int call = 0; call < 10; ++call) {
+      const bool cma = c.next(previous);
+      paths.push_back(cma);
+      measured.push_back(c.measured());
+      // The warm-up calls report a cost far out of line: it must not count.
+      previous = call < 2 ? 1e9 : c.measured() ? (cma ? run.cma : run.staged) : 0;
+    }
+    const std::vector<bool> probe{true, false, true, false, true, false};
+    for (int call = 0; call < 10; ++call) {
+      SCOPED_TRACE("call " + std::to_string(call));
+      EXPECT_EQ(paths[static_cast<size_t>(call)], call < 6 ? probe[static_cast<size_t>(call)] : run.want);
+      EXPECT_EQ(measured[static_cast<size_t>(call)], call >= 2 && call < 6);
+    }
+    EXPECT_EQ(c.decided, run.want ? 1 : 0);
+    EXPECT_EQ(c.calls, CombineReadChoice::kProbeCalls + 1);  // (no counting once decided)
+  }
+  CombineReadChoice forced;
+  forced.decided = 1;
+  for (int call = 0; call < 8; ++call) {
+    EXPECT_TRUE(forced.next(1e9));
+    EXPECT_FALSE(forced.measured());
+  }
+  EXPECT_EQ(forced.calls, 0);
 }
 
 TEST(EpKernels, StreamCopyCopiesEveryByte) {

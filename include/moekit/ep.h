@@ -223,11 +223,16 @@ class Buffer {
   int get_num_local_ranks() const; // ranks per node
   double timeout_s() const;
   bool is_available() const;       // false after destroy()
-  // CPU extension: whether combine reads the expert ranks' private x straight from their
+  // CPU extension: whether combine may read the expert ranks' private x straight from their
   // memory (process_vm_readv) rather than having them copy it into shared memory first.
   // Decided at construction, the same on every rank: MOEKIT_EP_CMA=0 turns it off, and so
   // does a kernel or ptrace policy that refuses it (docs/EP.md).
   bool reads_peer_memory() const;
+  // CPU extension: how the normal combine moves a private x where reads_peer_memory():
+  // "probing" while its first combines try both ways, then "read" or "staged", whichever
+  // cost less (MOEKIT_EP_CMA=1: always "read"); "staged" where reading is off. The same on
+  // every rank; both ways give the same bits (docs/EP.md, "Combine from private memory").
+  const char* combine_private_x() const;
 
   // This rank's shared receive memory (the first segment) as u8 [num_nvl_bytes].
   Tensor get_local_buffer_tensor() const;

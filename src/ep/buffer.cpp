@@ -145,7 +145,7 @@ Buffer::Buffer(MPI_Comm comm, int64_t num_nvl_bytes, int64_t num_rdma_bytes, Buf
   // Every other check of this rank's arguments and environment, then one agreement on comm
   // before any other collective: a rank whose checks fail (and only it) would otherwise
   // raise while its peers wait forever in MPI_Comm_dup below.
-  bool cma_wanted = true;
+  bool cma_wanted = true, cma_forced = false;
   int asked_ranks_per_node = 0;  // 0: the ranks that share a host
   std::exception_ptr rejected;
   try {
@@ -153,6 +153,8 @@ Buffer::Buffer(MPI_Comm comm, int64_t num_nvl_bytes, int64_t num_rdma_bytes, Buf
     if (num_rdma_bytes < 0) fail(fn, "num_rdma_bytes", ">= 0", std::to_string(num_rdma_bytes));
     m.timeout = options.timeout_s > 0 ? options.timeout_s : env_double("MOEKIT_EP_TIMEOUT_S", 100.0);
     cma_wanted = env_flag("MOEKIT_EP_CMA", true);
+    const char* cma_env = std::getenv("MOEKIT_EP_CMA");
+    cma_forced = cma_env != nullptr && cma_env[0] == '1';  // (no probing: CombineReadChoice)
     asked_ranks_per_node = options.ranks_per_node > 0 ? options.ranks_per_node : env_int("MOEKIT_EP_RANKS_PER_NODE", 0);
   } catch (...) {
     rejected = std::current_exception();
@@ -261,6 +263,7 @@ Buffer::Buffer(MPI_Comm comm, int64_t num_nvl_bytes, int64_t num_rdma_bytes, Buf
     raise_agreed(fn, agreed, failure, "every rank to create and map its shared-memory segments");
   }
   m.cma = probe_cross_memory_attach(m, cma_wanted);
+  if (cma_forced) m.combine_reads.decided = 1;
 }
 
 Buffer::~Buffer() {
@@ -313,6 +316,11 @@ int Buffer::get_local_rank() const { return impl_->local_rank; }
 int Buffer::get_num_local_ranks() const { return impl_->ranks_per_node; }
 double Buffer::timeout_s() const { return impl_->timeout; }
 bool Buffer::reads_peer_memory() const { return impl_->cma; }
+const char* Buffer::combine_private_x() const {
+  const CombineReadChoice& c = impl_->combine_reads;
+  if (!impl_->cma || impl_->num_nodes() > 1) return "staged";  // (across nodes rows go through MPI)
+  return c.decided < 0 ? "probing" : c.decided == 1 ? "read" : "staged";
+}
 bool Buffer::is_available() const { return impl_->available; }
 
 Tensor Buffer::get_local_buffer_tensor() const {

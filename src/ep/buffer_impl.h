@@ -23,6 +23,7 @@
 #include "cpu/formats/format_kernels.h"
 #include "ep/copy.h"
 #include "ep/layout.h"
+#include "ep/read_choice.h"
 #include "ep/shm.h"
 #include "moekit/ep.h"
 #include "moekit/runtime.h"
@@ -216,7 +217,8 @@ enum Meta : int {
   kXStride,
   kXAddr,      // combine: x's address in this process (read by owners through cma)
   kLayout,     // combine: a hash of the handle's counts (every rank must combine the same dispatch)
-  kMetaCount = 16,
+  kLastCost,   // combine: this rank's cost of its previous probed combine (CombineReadChoice), f64 bits
+  kMetaCount = 17,
 };
 
 constexpr uint64_t kPhaseCounts = 1, kPhaseAlloc = 2, kPhaseData = 3, kPhaseRead = 4;
@@ -310,6 +312,7 @@ struct Buffer::Impl {
   // process ids by local rank.
   bool cma = false;
   std::vector<pid_t> peer_pids;
+  CombineReadChoice combine_reads;
 
   // Like wait_all, but masked ranks count as answered. Across nodes it keeps this rank's
   // low-latency messages moving while it waits: MPI moves a large (rendezvous) message only

@@ -1,5 +1,7 @@
 // Normal dispatch and combine between the ranks of one node (protocol: buffer.cpp).
 #include <algorithm>
+#include <bit>
+#include <chrono>
 #include <cstring>
 #include <exception>
 
@@ -187,6 +189,7 @@ CombineResult Buffer::combine(const CombineArgs& a) {
   mine[kXAddr] = reinterpret_cast<uint64_t>(a.x.data());
   mine[kXStride] = static_cast<uint64_t>(a.x.stride(0)) * 2;
   mine[kLayout] = layout_hash(hs);
+  mine[kLastCost] = std::bit_cast<uint64_t>(m.combine_reads.my_cost);
   if (hs.rows > 0) {
     const size_t span = static_cast<size_t>((hs.rows - 1) * a.x.stride(0)) * 2 + row_bytes;
     size_t off = 0;
@@ -203,6 +206,18 @@ CombineResult Buffer::combine(const CombineArgs& a) {
   check_same_everywhere(m, kCombine, kHidden, "x (hidden size)");
   check_same_everywhere(m, kCombine, kTopk, "topk_weights (top-k, 0 = none)");
   check_same_everywhere(m, kCombine, kLayout, "handle (the same dispatch's handle on every rank; layout hash)");
+  // Whether owners read private x through cma in this call (CombineReadChoice): the same
+  // verdict on every rank, from what every rank published.
+  bool private_x = false;
+  double previous_cost = 0;
+  for (int d = 0; d < R; ++d) {
+    private_x |= m.meta(d)[kInPlace] == 0;
+    previous_cost += std::bit_cast<double>(m.meta(d)[kLastCost]);
+  }
+  const bool counted = m.cma && private_x && hidden > 0;
+  const bool read_x = counted && m.combine_reads.next(previous_cost);
+  const bool measure = counted && m.combine_reads.measured();
+  m.combine_reads.my_cost = 0;
 
   CombineResult out;
   out.combined_x = Tensor::from_blob_with_owner(output->data(), {hs.tokens, hidden}, DType::bf16, output);
@@ -215,7 +230,8 @@ CombineResult Buffer::combine(const CombineArgs& a) {
   const bool in_place = mine[kInPlace] != 0;
 
   out.event = m.run(a.async_finish, [&m, keep_handle, staging, x, weights, bias_0, bias_1, combined, combined_w,
-                                     hidden, topk, row_bytes, weights_at, threads, in_place] {
+                                     hidden, topk, row_bytes, weights_at, threads, in_place, read_x, measure] {
+    const auto started = std::chrono::steady_clock::now();
     const HandleState& hs = *keep_handle;
     const int R = m.num_ranks, me = m.rank;
     for (int d = 0; d < R; ++d) m.map_new_segments(d);
@@ -237,7 +253,7 @@ CombineResult Buffer::combine(const CombineArgs& a) {
       const size_t owner_weights_at = align_up(static_cast<size_t>(owner_rows) * row_bytes, 64);
       // (This rank's own rows need no staging: its reduce below reads them from x itself;
       // with cma, neither do the others: their owners read them from x too.)
-      if (!in_place && s != me && !m.cma) {
+      if (!in_place && s != me && !read_x) {
         const int64_t xs = x.stride(0) * 2;
         if (xs == static_cast<int64_t>(row_bytes)) {
           const auto* src = static_cast<const char*>(x.data()) + first * xs;
@@ -286,7 +302,7 @@ CombineResult Buffer::combine(const CombineArgs& a) {
     // x instead of the peer's copy into shared memory and this rank's read of it.
     std::vector<int> pulled;
     for (int d = 0; d < R; ++d)
-      if (m.cma && d != me && !direct[static_cast<size_t>(d)] && hs.count(me, d) > 0 && row_bytes > 0) pulled.push_back(d);
+      if (read_x && d != me && !direct[static_cast<size_t>(d)] && hs.count(me, d) > 0 && row_bytes > 0) pulled.push_back(d);
     const int64_t block = pulled.empty() ? std::max<int64_t>(hs.tokens, 1)
                                          : std::max<int64_t>(1, kPullBytes / (static_cast<int64_t>(pulled.size()) * static_cast<int64_t>(row_bytes)));
     // (No exception may leave the OpenMP region, a failed read among them: the first one is
@@ -377,6 +393,9 @@ CombineResult Buffer::combine(const CombineArgs& a) {
       if (!caught.test_and_set()) thrown = std::current_exception();
      }
     });
+    if (measure && !thrown)
+      m.combine_reads.my_cost = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - started).count() /
+                                static_cast<double>(std::max<int64_t>(1, hs.rows));
     // Round 3: owners are done reading; x offered in place (or read through cma) may be
     // released.
     m.signal_all(kPhaseRead);
