@@ -37,6 +37,7 @@
 #include "moekit/error.h"
 #include "moekit/formats.h"
 #include "moekit/tensor.h"
+#include "ep/read_choice.h"
 #include "ep_test_util.h"
 
 namespace moekit::ep {
@@ -1087,11 +1088,33 @@ TEST(EpIntranode, CombineOfZeroHidden) {
 // The normal combine's way of moving a private x (Buffer::combine_private_x): the same on
 // every rank after every call, decided after the probing calls where reads are possible, and
 // never a change in the bits. Combines whose x lives in the buffer everywhere do not count.
-TEST(EpIntranode, CombinePrivateXChoiceIsTheSameEverywhereAndKeepsTheBits) {
+// The private x cycles through three contents (x, 2x, 4x: exact in bf16), so that rows left
+// in the staging area by an earlier call cannot pass for this call's.
+// `force`: MOEKIT_EP_CMA for this buffer on every rank ("1"), on rank 0 only ("1@0": every
+// rank must then probe), or as the environment has it (""). `verdict`: costs injected so
+// that rank 0 alone would choose the other way than the node's sum ("read" or "staged"
+// expected), or none ("": timed).
+void check_private_x_choice(const std::string& force, int private_calls, const std::string& verdict = "") {
   const int me = my_rank();
+  // Rank 0 finds reading 1000x cheaper (or dearer) than staging, every other rank the
+  // opposite by 100x: the sum over ranks decides against rank 0's own view.
+  const bool read_wins = verdict == "read";
+  if (!verdict.empty())
+    moekit::ep::detail::set_combine_costs_for_testing(me == 0 ? (read_wins ? 1.0 : 1000.0) : (read_wins ? 100.0 : 1.0),
+                                                      me == 0 ? (read_wins ? 1000.0 : 1.0) : (read_wins ? 1.0 : 100.0));
+  struct Restore {
+    ~Restore() { moekit::ep::detail::set_combine_costs_for_testing(0, 0); }
+  } restore;
   const World w = make_world(spec(1024, 4, 6, tokens_per_rank([](int i) { return 60 + 7 * i; }), 611));
   const Expected ex = expect_for(w);
+  const char* env = std::getenv("MOEKIT_EP_CMA");
+  const std::string saved = env != nullptr ? env : "";
+  if (force == "1" || (force == "1@0" && me == 0)) ::setenv("MOEKIT_EP_CMA", "1", 1);
+  else if (!force.empty()) ::unsetenv("MOEKIT_EP_CMA");
   BufferGuard buf = make_buffer();
+  if (env != nullptr) ::setenv("MOEKIT_EP_CMA", saved.c_str(), 1);
+  else ::unsetenv("MOEKIT_EP_CMA");
+  const bool forced = force == "1" || (force.empty() && saved == "1");
   const Payload pl = make_payload(make_x(Data::random, 611, me, w.T(me), w.H), false);
   const RoutingTensors rt = routing_of(w, ex);
   DispatchResult res;
@@ -1106,44 +1129,69 @@ TEST(EpIntranode, CombinePrivateXChoiceIsTheSameEverywhereAndKeepsTheBits) {
     EXPECT_EQ(code[0], -code[1]) << "combine_private_x differs between ranks " << when;
     EXPECT_NE(path_code(), 3) << buf->combine_private_x();
   };
-  const char* env = std::getenv("MOEKIT_EP_CMA");
-  const std::string forced = env != nullptr ? env : "";
   // (one node: across nodes the normal combine moves rows through MPI, never reading x)
   const bool reads = buf->reads_peer_memory() && buf->get_num_local_ranks() == buf->get_num_ranks();
   auto expect_start = [&] {
     if (!reads) EXPECT_STREQ(buf->combine_private_x(), "staged");
-    else EXPECT_STREQ(buf->combine_private_x(), forced == "1" ? "read" : "probing");
+    else EXPECT_STREQ(buf->combine_private_x(), forced ? "read" : "probing");
   };
   expect_start();
   Tensor yw = Tensor::empty({res.recv_x.size(0), w.k}, DType::f32);
   for (int64_t i = 0; i < yw.numel(); ++i) yw.data_ptr<float>()[i] = 0.5f;
-  // x in the buffer on every rank: read in place, not counted.
-  CombineArgs in_place;
-  in_place.x = res.recv_x;
-  in_place.handle = res.handle;
-  in_place.topk_weights = yw;
-  uint64_t want = 0;
-  for (int call = 0; call < 8; ++call) {
+  // Each x in the buffer on every rank: read in place, not counted; then a private copy.
+  std::vector<uint64_t> want;
+  std::vector<Tensor> private_x;
+  for (const float factor : {1.0f, 2.0f, 4.0f}) {
+    Tensor shared = buf->alloc_shared(res.recv_x.shape(), DType::bf16);
+    for (int64_t r = 0; r < shared.size(0); ++r)
+      for (int64_t c = 0; c < w.H; ++c) shared.data_ptr<uint16_t>()[r * w.H + c] = f32_to_bf16(factor * bf16_at(res.recv_x, r, c));
+    CombineArgs in_place;
+    in_place.x = shared;
+    in_place.handle = res.handle;
+    in_place.topk_weights = yw;
     CombineResult comb;
     if (!collective_step("combine in place", [&] { comb = buf->combine(in_place); })) return;
-    want = fnv1a(fnv1a(0, comb.combined_x), comb.combined_topk_weights);
+    want.push_back(fnv1a(fnv1a(0, comb.combined_x), comb.combined_topk_weights));
+    private_x.push_back(Tensor::empty(shared.shape(), DType::bf16));
+    private_x.back().copy_from(shared);
   }
   expect_start();
-  // A private copy of the same rows: every call gives the bits of the in-place ones.
-  Tensor y = Tensor::empty(res.recv_x.shape(), DType::bf16);
-  y.copy_from(res.recv_x);
-  CombineArgs priv = in_place;
-  priv.x = y;
-  for (int call = 0; call < 9; ++call) {
+  for (int call = 0; call < private_calls; ++call) {
     SCOPED_TRACE("private call " + std::to_string(call));
+    CombineArgs priv;
+    priv.x = private_x[static_cast<size_t>(call % 3)];
+    priv.handle = res.handle;
+    priv.topk_weights = yw;
     CombineResult comb;
     if (!collective_step("combine", [&] { comb = buf->combine(priv); })) return;
-    EXPECT_EQ(fnv1a(fnv1a(0, comb.combined_x), comb.combined_topk_weights), want);
+    EXPECT_EQ(fnv1a(fnv1a(0, comb.combined_x), comb.combined_topk_weights), want[static_cast<size_t>(call % 3)]);
     expect_same_everywhere("after private call " + std::to_string(call));
     if (!reads) EXPECT_STREQ(buf->combine_private_x(), "staged");
-    else if (forced == "1") EXPECT_STREQ(buf->combine_private_x(), "read");
+    else if (forced) EXPECT_STREQ(buf->combine_private_x(), "read");
     else if (call < 6) EXPECT_STREQ(buf->combine_private_x(), "probing");  // (calls 0-5 probe; call 6 decides)
+    else if (!verdict.empty()) EXPECT_EQ(buf->combine_private_x(), verdict);
     else EXPECT_STRNE(buf->combine_private_x(), "probing");
+  }
+}
+
+TEST(EpIntranode, CombinePrivateXChoiceIsTheSameEverywhereAndKeepsTheBits) {
+  {
+    SCOPED_TRACE("MOEKIT_EP_CMA as set");
+    check_private_x_choice("", 9);
+  }
+  {
+    SCOPED_TRACE("MOEKIT_EP_CMA=1 on every rank");
+    check_private_x_choice("1", 3);
+  }
+  {
+    SCOPED_TRACE("MOEKIT_EP_CMA=1 on rank 0 only");
+    check_private_x_choice("1@0", 3);
+  }
+  if (num_ranks() > 1) {
+    for (const char* verdict : {"read", "staged"}) {
+      SCOPED_TRACE(std::string("injected costs for ") + verdict);
+      check_private_x_choice("", 9, verdict);
+    }
   }
 }
 

@@ -230,8 +230,9 @@ class Buffer {
   bool reads_peer_memory() const;
   // CPU extension: how the normal combine moves a private x where reads_peer_memory():
   // "probing" while its first combines try both ways, then "read" or "staged", whichever
-  // cost less (MOEKIT_EP_CMA=1: always "read"); "staged" where reading is off. The same on
-  // every rank; both ways give the same bits (docs/EP.md, "Combine from private memory").
+  // cost less (MOEKIT_EP_CMA=1 on every rank: always "read"); "staged" where reading is off
+  // and on buffers spanning nodes. The same on every rank; both ways give the same bits
+  // (docs/EP.md, "Combine from private memory").
   const char* combine_private_x() const;
 
   // This rank's shared receive memory (the first segment) as u8 [num_nvl_bytes].

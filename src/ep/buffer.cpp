@@ -154,7 +154,7 @@ Buffer::Buffer(MPI_Comm comm, int64_t num_nvl_bytes, int64_t num_rdma_bytes, Buf
     m.timeout = options.timeout_s > 0 ? options.timeout_s : env_double("MOEKIT_EP_TIMEOUT_S", 100.0);
     cma_wanted = env_flag("MOEKIT_EP_CMA", true);
     const char* cma_env = std::getenv("MOEKIT_EP_CMA");
-    cma_forced = cma_env != nullptr && cma_env[0] == '1';  // (no probing: CombineReadChoice)
+    cma_forced = cma_env != nullptr && cma_env[0] == '1';  // (no probing, if every rank says so)
     asked_ranks_per_node = options.ranks_per_node > 0 ? options.ranks_per_node : env_int("MOEKIT_EP_RANKS_PER_NODE", 0);
   } catch (...) {
     rejected = std::current_exception();
@@ -263,7 +263,11 @@ Buffer::Buffer(MPI_Comm comm, int64_t num_nvl_bytes, int64_t num_rdma_bytes, Buf
     raise_agreed(fn, agreed, failure, "every rank to create and map its shared-memory segments");
   }
   m.cma = probe_cross_memory_attach(m, cma_wanted);
-  if (cma_forced) m.combine_reads.decided = 1;
+  // Forced reading only where every rank asks for it: a rank that probes while another
+  // reads would leave its rows unstaged for a peer that expects them (CombineReadChoice).
+  int forced_everywhere = cma_forced ? 1 : 0;
+  MPI_Allreduce(MPI_IN_PLACE, &forced_everywhere, 1, MPI_INT, MPI_MIN, m.comm);
+  if (m.cma && forced_everywhere) m.combine_reads.decided = 1;
 }
 
 Buffer::~Buffer() {

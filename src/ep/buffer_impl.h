@@ -384,7 +384,7 @@ struct Buffer::Impl {
     counts_expert_at = align_up(counts_rank_at + r * 4, 64);
     pub_bytes = align_up(counts_expert_at + detail::kMaxExperts * 4, 64);
     ll_at = 64 + r * 64;
-    pub_at = ll_at + 128 + 2 * r * 64 + 2 * kMetaCount * 8;
+    pub_at = align_up(ll_at + 128 + 2 * r * 64 + 2 * kMetaCount * 8, 64);
     ctrl_bytes = pub_at + 2 * pub_bytes;
   }
   std::atomic_ref<uint64_t> flag_at(int p, size_t off) const {

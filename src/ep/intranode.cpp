@@ -1,5 +1,6 @@
 // Normal dispatch and combine between the ranks of one node (protocol: buffer.cpp).
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <chrono>
 #include <cstring>
@@ -146,6 +147,17 @@ DispatchResult Buffer::dispatch(const DispatchArgs& a) {
   return out;
 }
 
+namespace detail {
+namespace {
+std::atomic<double> g_test_cost_read{0}, g_test_cost_staged{0};
+}  // namespace
+void set_combine_costs_for_testing(double read, double staged) {
+  g_test_cost_read.store(read);
+  g_test_cost_staged.store(staged);
+}
+double combine_cost_for_testing(bool read) { return (read ? g_test_cost_read : g_test_cost_staged).load(); }
+}  // namespace detail
+
 CombineResult Buffer::combine(const CombineArgs& a) {
   Impl& m = *impl_;
   if (m.num_nodes() > 1) return detail::combine_internode(m, a);
@@ -207,17 +219,24 @@ CombineResult Buffer::combine(const CombineArgs& a) {
   check_same_everywhere(m, kCombine, kTopk, "topk_weights (top-k, 0 = none)");
   check_same_everywhere(m, kCombine, kLayout, "handle (the same dispatch's handle on every rank; layout hash)");
   // Whether owners read private x through cma in this call (CombineReadChoice): the same
-  // verdict on every rank, from what every rank published.
+  // verdict on every rank, from what every rank published. A call counts when some rank
+  // holds rows in private memory; a measured cost waits (published in every call) for the
+  // next call that counts.
   bool private_x = false;
   double previous_cost = 0;
   for (int d = 0; d < R; ++d) {
-    private_x |= m.meta(d)[kInPlace] == 0;
+    int64_t rows_of_d = 0;
+    for (int s = 0; s < R; ++s) rows_of_d += hs.count(s, d);
+    private_x |= m.meta(d)[kInPlace] == 0 && rows_of_d > 0;
     previous_cost += std::bit_cast<double>(m.meta(d)[kLastCost]);
   }
   const bool counted = m.cma && private_x && hidden > 0;
-  const bool read_x = counted && m.combine_reads.next(previous_cost);
-  const bool measure = counted && m.combine_reads.measured();
-  m.combine_reads.my_cost = 0;
+  bool read_x = false, measure = false;
+  if (counted) {
+    read_x = m.combine_reads.next(previous_cost);
+    measure = m.combine_reads.measured();
+    m.combine_reads.my_cost = 0;
+  }
 
   CombineResult out;
   out.combined_x = Tensor::from_blob_with_owner(output->data(), {hs.tokens, hidden}, DType::bf16, output);
@@ -393,9 +412,12 @@ CombineResult Buffer::combine(const CombineArgs& a) {
       if (!caught.test_and_set()) thrown = std::current_exception();
      }
     });
-    if (measure && !thrown)
-      m.combine_reads.my_cost = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - started).count() /
-                                static_cast<double>(std::max<int64_t>(1, hs.rows));
+    if (measure && !thrown) {  // (per row offered plus token reduced: what this rank moved)
+      const double injected = detail::combine_cost_for_testing(read_x);
+      m.combine_reads.my_cost = injected > 0 ? injected
+                                             : std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - started).count() /
+                                                   static_cast<double>(std::max<int64_t>(1, hs.rows + hs.tokens));
+    }
     // Round 3: owners are done reading; x offered in place (or read through cma) may be
     // released.
     m.signal_all(kPhaseRead);

@@ -12,10 +12,13 @@ namespace moekit::ep::detail {
 // cheaper (docs/EP.md, "Combine from private memory"):
 // - counted calls 0 and 1 (cma, then staged) warm up and are not measured;
 // - calls 2 to 5 alternate (cma, staged, ...), and each rank measures its own cost: the
-//   time from its staging copies to the end of its reduction, per row of its x;
-// - each rank publishes the cost of its previous counted call in the next call's first
-//   round, so every rank adds up the same node-wide costs and reaches the same verdict at
-//   call 6: cma if its two calls cost less than the two staged ones.
+//   time from the start of its part (mapping new segments, staging, the wait for the other
+//   ranks' staging) to the end of its reduction, per row of its x plus token it reduces;
+// - each rank publishes that cost in the first round of every later combine, and the next
+//   counted call adds up what every rank published, so every rank reaches the same verdict
+//   at call 6: cma if its two calls cost less than the two staged ones (a tie: staged).
+// A call counts when some rank holds rows of x in private memory. Forcing cma
+// (MOEKIT_EP_CMA=1) takes effect only where every rank asks for it (agreed at construction).
 // Both paths give the same bits (the same rows summed in the same order), so the choice
 // changes only the time.
 struct CombineReadChoice {
@@ -42,5 +45,11 @@ struct CombineReadChoice {
   }
   bool measured() const { return measuring; }
 };
+
+// For tests: every later measured combine of this process reports these costs (read, staged)
+// instead of its timing, so that ranks can be given costs that disagree; (0, 0) restores
+// the timing (intranode.cpp).
+void set_combine_costs_for_testing(double read, double staged);
+double combine_cost_for_testing(bool read);  // 0: none set
 
 }  // namespace moekit::ep::detail
