@@ -1745,6 +1745,11 @@ TEST(EpFaults, TimeoutNamesTheSilentRank) {
       const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       EXPECT_GE(waited, 1.5) << "gave up before the 2 s timeout";
       EXPECT_LT(waited, 30.0) << "took far longer than the 2 s timeout";
+      // This rank's op count is now ahead of rank 1's: a further normal op raises at once
+      // (it had gone on in a mixed state; review finding, 2026-12-04).
+      const auto again = std::chrono::steady_clock::now();
+      EXPECT_TRUE(expect_ep_error_on([&] { (void)buf->dispatch(fresh_args(pl, rt, true, 1, std::nullopt, false)); }, "buffer"));
+      EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - again).count(), 1.0) << "must not wait";
     }
     MPI_Barrier(MPI_COMM_WORLD);
     EXPECT_NO_THROW(buf->destroy());

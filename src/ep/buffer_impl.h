@@ -282,7 +282,7 @@ struct Buffer::Impl {
   bool available = true;
   // False once destroyed: shared with receive hooks, which may outlive the buffer.
   std::shared_ptr<std::atomic<bool>> live = std::make_shared<std::atomic<bool>>(true);
-  std::atomic<bool> broken{false};
+  mutable std::atomic<bool> broken{false};  // (set by const waits: wait_ready, wait_done)
   uint64_t op = 0;
   std::shared_future<void> pending;
 
@@ -451,13 +451,25 @@ struct Buffer::Impl {
       }
     }
   }
+  // The normal ops' rounds. A timeout there leaves this rank's op count ahead of its silent
+  // peers', so the buffer takes no further normal op (begin_op: "destroy it"), whichever
+  // thread waited. (Low-latency ops have their own flags and go on with masked ranks.)
   void wait_ready(const char* fn, uint64_t phase) const {
     const uint64_t v = flag(phase);
-    wait_all(fn, [&](int p) { return ready(p).load(std::memory_order_acquire) >= v; });
+    breaking_on_timeout([&] { wait_all(fn, [&](int p) { return ready(p).load(std::memory_order_acquire) >= v; }); });
   }
   void wait_done(const char* fn, uint64_t phase) const {
     const uint64_t v = flag(phase);
-    wait_all(fn, [&](int s) { return done(local_rank, s).load(std::memory_order_acquire) >= v; });
+    breaking_on_timeout([&] { wait_all(fn, [&](int s) { return done(local_rank, s).load(std::memory_order_acquire) >= v; }); });
+  }
+  template <class Wait>
+  void breaking_on_timeout(Wait&& wait) const {
+    try {
+      wait();
+    } catch (const TimeoutError&) {
+      broken.store(true);
+      throw;
+    }
   }
   void publish(uint64_t phase) { ready(local_rank).store(flag(phase), std::memory_order_release); }
   void signal_all(uint64_t phase) {
