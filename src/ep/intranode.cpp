@@ -271,7 +271,7 @@ CombineResult Buffer::combine(const CombineArgs& a) {
       for (int q = 0; q < R; ++q) owner_rows += hs.count(s, q);
       const size_t owner_weights_at = align_up(static_cast<size_t>(owner_rows) * row_bytes, 64);
       // (This rank's own rows need no staging: its reduce below reads them from x itself;
-      // with cma, neither do the others: their owners read them from x too.)
+      // when owners read x this call (read_x), neither do the others.)
       if (!in_place && s != me && !read_x) {
         const int64_t xs = x.stride(0) * 2;
         if (xs == static_cast<int64_t>(row_bytes)) {
