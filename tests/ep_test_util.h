@@ -7,9 +7,11 @@
 #include <mpi.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -150,6 +152,27 @@ std::vector<T> vector_of(const Tensor& t) {
   if (!v.empty()) std::memcpy(v.data(), c.data(), v.size() * sizeof(T));
   return v;
 }
+
+// Sets an environment variable (or unsets it: value null) until the end of the scope, then
+// restores what it was.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) saved_ = old;
+    if (value != nullptr) ::setenv(name, value, 1);
+    else ::unsetenv(name);
+  }
+  ~ScopedEnv() {
+    if (saved_) ::setenv(name_, saved_->c_str(), 1);
+    else ::unsetenv(name_);
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+  std::optional<std::string> saved_;
+};
 
 // A Buffer on MPI_COMM_WORLD that is destroyed (collectively) at the end of its scope.
 struct BufferGuard {

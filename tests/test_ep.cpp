@@ -859,11 +859,8 @@ TEST(EpBuffer, RanksConfigAndLifecycle) {
   // MOEKIT_EP_CMA takes 0 or 1 only: anything else is an error on every rank, before any
   // communication (every rank reads the same environment here).
   {
-    const std::string saved = cma != nullptr ? cma : "";
-    ::setenv("MOEKIT_EP_CMA", "2", 1);
+    const ScopedEnv bad("MOEKIT_EP_CMA", "2");
     EXPECT_EP_ERROR(make_buffer());
-    if (cma != nullptr) ::setenv("MOEKIT_EP_CMA", saved.c_str(), 1);
-    else ::unsetenv("MOEKIT_EP_CMA");
   }
 
   // Explicit options win over the environment.
@@ -1108,13 +1105,12 @@ void check_private_x_choice(const std::string& force, int private_calls, const s
   const World w = make_world(spec(1024, 4, 6, tokens_per_rank([](int i) { return 60 + 7 * i; }), 611));
   const Expected ex = expect_for(w);
   const char* env = std::getenv("MOEKIT_EP_CMA");
-  const std::string saved = env != nullptr ? env : "";
-  if (force == "1" || (force == "1@0" && me == 0)) ::setenv("MOEKIT_EP_CMA", "1", 1);
-  else if (!force.empty()) ::unsetenv("MOEKIT_EP_CMA");
-  BufferGuard buf = make_buffer();
-  if (env != nullptr) ::setenv("MOEKIT_EP_CMA", saved.c_str(), 1);
-  else ::unsetenv("MOEKIT_EP_CMA");
-  const bool forced = force == "1" || (force.empty() && saved == "1");
+  const bool forced = force == "1" || (force.empty() && env != nullptr && std::string(env) == "1");
+  BufferGuard buf = [&] {
+    if (force.empty()) return make_buffer();
+    const ScopedEnv set("MOEKIT_EP_CMA", force == "1" || me == 0 ? "1" : nullptr);
+    return make_buffer();
+  }();
   const Payload pl = make_payload(make_x(Data::random, 611, me, w.T(me), w.H), false);
   const RoutingTensors rt = routing_of(w, ex);
   DispatchResult res;

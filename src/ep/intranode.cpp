@@ -225,9 +225,7 @@ CombineResult Buffer::combine(const CombineArgs& a) {
   bool private_x = false;
   double previous_cost = 0;
   for (int d = 0; d < R; ++d) {
-    int64_t rows_of_d = 0;
-    for (int s = 0; s < R; ++s) rows_of_d += hs.count(s, d);
-    private_x |= m.meta(d)[kInPlace] == 0 && rows_of_d > 0;
+    private_x |= m.meta(d)[kInPlace] == 0 && hs.recv_total(d) > 0;
     previous_cost += std::bit_cast<double>(m.meta(d)[kLastCost]);
   }
   const bool counted = m.cma && private_x && hidden > 0;
