@@ -1,6 +1,7 @@
 // Quantisation casts, dequantisation, scale packing and calc_diff (formats.md).
-// Rows are independent, so every cast parallelises over rows (or row blocks) with a static
-// schedule; each output element is computed the same way whatever the thread count.
+// Rows are independent, so every cast parallelises over rows (or row blocks), handed out in
+// chunks that threads claim as they go (core/work_split.h); each output element is computed
+// the same way whatever the thread count or the thread that claims it.
 #include <omp.h>
 #include <unistd.h>
 
@@ -13,6 +14,7 @@
 #include "../../core/check.h"
 #include "../../core/device_memory.h"
 #include "../../core/stream_copy.h"
+#include "../../core/work_split.h"
 #include "format_kernels.h"
 #include "moekit/formats.h"
 #include "moekit/runtime.h"
@@ -236,7 +238,9 @@ void per_token_cast(const char* fn, const Tensor& x, const Tensor& q, const Tens
   const float max_code = fp4 ? kE2m1Max : kE4m3Max;
   const int64_t groups = ceil_div(k, gran_k);
   const bool stream = streaming(q);
-#pragma omp parallel for schedule(static) num_threads(threads_for(m * k))
+  const int threads = threads_for(m * k);
+  const int64_t chunk = detail::claim_chunk(m, threads);
+#pragma omp parallel for schedule(dynamic, chunk) num_threads(threads)
   for (int64_t r = 0; r < m; ++r) {
     float* s = reinterpret_cast<float*>(row_ptr_mut(sf, r));
     kern.amax_groups[wide](row_ptr(x, r), k, gran_k, s);
@@ -303,7 +307,9 @@ void per_block_cast_to_fp8_into(const Tensor& x, const Tensor& q, const Tensor& 
   const int64_t strip_groups = ceil_div(strip_columns(std::min(block_m, m), k, esize, block_k), block_k);
   const int64_t strips = std::max<int64_t>(1, ceil_div(groups, std::max<int64_t>(1, strip_groups)));
   const int64_t per_strip = ceil_div(groups, strips);
-#pragma omp parallel num_threads(threads_for(m * k))
+  const int threads = threads_for(m * k);
+  const int64_t chunk = detail::claim_chunk(block_rows * strips, threads);
+#pragma omp parallel num_threads(threads)
   {
     std::vector<float> col(static_cast<size_t>(std::min(k, per_strip * block_k)));
     std::vector<uint16_t> acc;
@@ -311,7 +317,7 @@ void per_block_cast_to_fp8_into(const Tensor& x, const Tensor& q, const Tensor& 
     // has them (format_kernels.h), built once for the block's rows.
     const bool tables_fit = kern.e4m3_tables != nullptr && x.dtype() == DType::bf16 && block_k % 64 == 0;
     std::vector<int16_t> tables(tables_fit ? static_cast<size_t>(per_strip * detail::kE4m3TableWords) : 0);
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, chunk)
     for (int64_t item = 0; item < block_rows * strips; ++item) {
       const int64_t b = item / strips, strip = item % strips;
       const int64_t g0 = strip * per_strip, g1 = std::min(groups, g0 + per_strip);
@@ -382,13 +388,15 @@ void per_channel_cast_to_fp8_into(const Tensor& x, const Tensor& q, const Tensor
   alignas(64) int16_t unit_table[detail::kE4m3TableWords];
   const float unit = 1.0f;
   if (shifts_fit) kern.e4m3_tables(&unit, 1, unit_table);
-#pragma omp parallel num_threads(threads_for(k * mn))
+  const int threads = threads_for(k * mn);
+  const int64_t chunk = detail::claim_chunk(groups * strips, threads);
+#pragma omp parallel num_threads(threads)
   {
     std::vector<float> inv(static_cast<size_t>(width));  // width <= mn
     std::vector<float> lanes(by_lanes ? 2 * inv.size() : 0);
     std::vector<uint16_t> acc;
     std::vector<int16_t> shift(shifts_fit ? inv.size() : 0);
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, chunk)
     for (int64_t item = 0; item < groups * strips; ++item) {
       const int64_t g = item / strips, strip = item % strips;
       const int64_t c0 = strip * width, n = std::min(width, mn - c0);
@@ -459,11 +467,13 @@ void cast_back(const char* fn, const Tensor& q, const Tensor& sf, const Tensor& 
   const int wide = static_cast<int>(wide_of(out));
   const bool stream = streaming(out);
   const auto dequantize = kern.dequantize[static_cast<int>(fmt)][wide];
-#pragma omp parallel num_threads(threads_for(m * k))
+  const int threads = threads_for(m * k);
+  const int64_t chunk = detail::claim_chunk(m, threads);
+#pragma omp parallel num_threads(threads)
   {
     std::vector<float> scratch;
     StreamedRows rows(stream, k, static_cast<int64_t>(out.element_size()), std::min(gran_k, k));
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, chunk)
     for (int64_t r = 0; r < m; ++r) {
       const float* s = scale_row(sf, r / gran_m, groups, scratch);
       const auto* codes = reinterpret_cast<const uint8_t*>(row_ptr(q, r));
@@ -609,11 +619,13 @@ void convert(const Tensor& src, const Tensor& dst) {
   const int64_t other_row_bytes = expected.back() * static_cast<int64_t>(other.element_size());
   const int64_t wide_row_bytes = cols * static_cast<int64_t>(wide.element_size());
   const bool stream = streaming(dst);
-#pragma omp parallel num_threads(threads_for(rows * cols))
+  const int threads = threads_for(rows * cols);
+  const int64_t chunk = detail::claim_chunk(rows, threads);
+#pragma omp parallel num_threads(threads)
   {
     // (one unit scale: any chunk of a row is a whole group)
     StreamedRows staged(stream && from_narrow, cols, static_cast<int64_t>(dst.element_size()), 1);
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, chunk)
     for (int64_t r = 0; r < rows; ++r) {
       const char* w = static_cast<const char*>(wide.data()) + r * wide_row_bytes;
       char* o = static_cast<char*>(other.data()) + r * other_row_bytes;

@@ -25,6 +25,7 @@
 
 #include "core/check.h"
 #include "core/scratch.h"
+#include "core/work_split.h"
 #include "cpu/formats/format_kernels.h"
 #include "cpu/gemm/gemm_kernels.h"
 #include "moekit/error.h"
@@ -386,21 +387,25 @@ void run_item(const detail::GemmKernels& kern, const GemmOperand& a, const GemmO
   }
 }
 
-// Small M: B streamed once, split by columns; each thread writes its own column range.
+// Small M: B streamed once, split by columns into chunks that threads claim as they go
+// (core/work_split.h: memory-bound); each claimed chunk's columns are written by its thread.
 void run_small_m(const detail::GemmKernels& kern, const GemmOperand& a, const GemmOperand& b, const Output& out,
                  int threads) {
   const int64_t m = a.mn, n = b.mn;
   const int64_t cols = kern.small_m_cols;  // columns per result block (bounds the f32 buffer)
-  const int64_t chunk = ceil_div(ceil_div(n, threads), kern.small_m_align) * kern.small_m_align;
+  const int64_t chunk = ceil_div(detail::claim_chunk(n, threads), kern.small_m_align) * kern.small_m_align;
+  const int64_t chunks = ceil_div(n, chunk);
 #pragma omp parallel num_threads(threads)
   {
-    const int64_t t = omp_get_thread_num();
-    const int64_t n0 = std::min(n, t * chunk), n1 = std::min(n, n0 + chunk);
     float* res = thread_buffers().acc.get(static_cast<size_t>(m * cols));
-    for (int64_t j = n0; j < n1; j += cols) {
-      const int64_t nc = std::min(cols, n1 - j);
-      kern.small_m(a, b, j, j + nc, res, cols);
-      write_block(out, {res, cols, 0}, 0, m, j, nc);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t n0 = c * chunk, n1 = std::min(n, n0 + chunk);
+      for (int64_t j = n0; j < n1; j += cols) {
+        const int64_t nc = std::min(cols, n1 - j);
+        kern.small_m(a, b, j, j + nc, res, cols);
+        write_block(out, {res, cols, 0}, 0, m, j, nc);
+      }
     }
   }
 }
