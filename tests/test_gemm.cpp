@@ -599,6 +599,43 @@ TEST(Gemm, BitIdenticalAcrossThreadCounts) {
   }
 }
 
+// Small M with enough weights to run on several threads, which claim column chunks as they
+// go (core/work_split.h): N = 1001 is no multiple of any chunk, every column must be written
+// once (D starts as NaN), and the bits must not depend on the thread count or on which
+// thread claimed which chunk (two-thread runs repeated), on every ISA.
+TEST(Gemm, SmallMClaimedColumnChunksMatchOracleAndEachOther) {
+  ThreadGuard guard;
+  const int64_t n = 1001, k = 1152;  // n·k above the small-M path's one-thread limit (1e6)
+  const Tensor xb = random_bf16(n, k, 31);
+  const Quantized qb = per_block_cast_to_fp8(xb, false);
+  for (const int64_t m : {int64_t{1}, int64_t{3}}) {
+    SCOPED_TRACE("m=" + std::to_string(m));
+    const Tensor xa = random_bf16(m, k, 32 + static_cast<uint64_t>(m));
+    const Quantized qa = per_token_cast_to_fp8(xa, false);
+    const std::vector<double> want_bf16 = ref::gemm(Layout::nt, {xa, Tensor(), 1, 128}, {xb, Tensor(), 1, 128});
+    const std::vector<double> want_fp8 = ref::gemm(Layout::nt, {qa.values, qa.sf, 1, 128}, {qb.values, qb.sf, 128, 128});
+    for_each_isa([&](Isa) {
+      std::vector<std::vector<float>> results;
+      for (int threads : {1, 2, 2, 2, 3}) {
+        set_num_threads(threads);
+        Tensor d = Tensor::empty({m, n}, DType::f32), d8 = Tensor::empty({m, n}, DType::f32);
+        std::fill_n(d.data_ptr<float>(), m * n, std::numeric_limits<float>::quiet_NaN());
+        std::fill_n(d8.data_ptr<float>(), m * n, std::numeric_limits<float>::quiet_NaN());
+        bf16_gemm_nt(xa, xb, d);
+        fp8_gemm_nt(qa, qb, d8);
+        EXPECT_LE(ref::calc_diff(ref::to_f64(d), want_bf16), 1e-5) << "bf16, threads=" << threads;
+        EXPECT_LE(ref::calc_diff(ref::to_f64(d8), want_fp8), 1e-5) << "fp8, threads=" << threads;
+        std::vector<float> r(static_cast<size_t>(2 * m * n));
+        std::memcpy(r.data(), d.data(), static_cast<size_t>(m * n) * 4);
+        std::memcpy(r.data() + m * n, d8.data(), static_cast<size_t>(m * n) * 4);
+        results.push_back(r);
+      }
+      for (size_t i = 1; i < results.size(); ++i)
+        EXPECT_EQ(0, std::memcmp(results[0].data(), results[i].data(), results[0].size() * 4)) << "run #" << i;
+    });
+  }
+}
+
 // formats.md's tolerances against the product of the unquantised inputs.
 TEST(Gemm, QuantisedAgainstUnquantisedProduct) {
   const int64_t m = 64, n = 96, k = 512;
