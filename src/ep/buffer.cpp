@@ -141,6 +141,7 @@ Buffer::Buffer(MPI_Comm comm, int64_t num_nvl_bytes, int64_t num_rdma_bytes, Buf
   MPI_Initialized(&initialised);
   // Without MPI or a communicator there is no one to agree with: these raise at once.
   if (!initialised) fail(fn, "comm", "an initialised MPI (call MPI_Init_thread first)", "MPI not initialised");
+  check_mpi_not_finalized(fn);
   if (comm == MPI_COMM_NULL) fail(fn, "comm", "a communicator", "MPI_COMM_NULL");
   // Every other check of this rank's arguments and environment, then one agreement on comm
   // before any other collective: a rank whose checks fail (and only it) would otherwise
@@ -290,6 +291,18 @@ void Buffer::destroy() {
   }
   m.available = false;
   m.live->store(false);
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (finalized) {
+    // Too late to synchronise or to free any MPI object (each would abort the process): this
+    // rank's mappings go (its peers keep theirs), messages MPI may have held stay allocated.
+    for (auto& f : m.ll_in_flight) (void)f.data.release();
+    m.ll_in_flight.clear();
+    m.peers.clear();
+    m.own_ctrl.reset();
+    m.heap.reset();
+    fail("ep::Buffer::destroy", "MPI", "a buffer destroyed before MPI_Finalize", "MPI already finalized");
+  }
   // No rank unmaps while another may still write into its memory.
   std::string error;
   try {

@@ -271,6 +271,14 @@ struct EventOverlap::State {
   std::shared_future<void> done;
 };
 
+// Any MPI call after MPI_Finalize aborts the process, and MPI_Initialized stays true then:
+// a buffer made, used or destroyed that late raises this instead.
+inline void check_mpi_not_finalized(const char* fn) {
+  int finalized = 0;
+  MPI_Finalized(&finalized);  // (callable at any time)
+  if (finalized) fail(fn, "MPI", "a call before MPI_Finalize", "MPI already finalized");
+}
+
 struct Buffer::Impl {
   MPI_Comm comm = MPI_COMM_NULL, node_comm = MPI_COMM_NULL;
   int rank = 0, num_ranks = 1, local_rank = 0, ranks_per_node = 1;
@@ -488,6 +496,7 @@ struct Buffer::Impl {
 
   void begin_op(const char* fn) {
     if (!available) fail(fn, "buffer", "a live buffer", "a destroyed buffer");
+    check_mpi_not_finalized(fn);
     if (pending.valid()) {
       try {
         pending.wait();

@@ -531,6 +531,7 @@ void ll_abandon(Buffer::Impl& m, uint64_t call, bool dispatch) {
 template <class Body>
 auto ll_call(Buffer::Impl& m, const char* fn, uint64_t& calls, bool dispatch, Body&& body) {
   if (!m.available) fail(fn, "buffer", "a live buffer", "a destroyed buffer");
+  check_mpi_not_finalized(fn);
   if (m.pending.valid()) m.pending.wait();
   m.sweep_in_flight();
   const uint64_t before = calls;
