@@ -1709,6 +1709,98 @@ TEST(EpFaults, CombineWithAnotherDispatchsHandleRaisesEverywhere) {
   EXPECT_TRUE(collective_step("combine A on every rank", [&] { (void)buf->combine(good); }));
 }
 
+// As above, with two dispatches that send as many tokens between every pair of ranks but
+// different ones (A: each rank's token 0 to the next rank, B: its token 1). Until the handle
+// check covered the dispatch itself, not only its counts, the combine returned without an
+// error and summed the wrong tokens; across nodes MPI aborted the job (truncated message).
+TEST(EpFaults, CombineWithAnotherDispatchOfTheSameCountsRaisesEverywhere) {
+  const int me = my_rank(), R = num_ranks();
+  if (R < 2) GTEST_SKIP() << "needs two ranks";
+  const int64_t T = 2, H = 128, E = 2 * R;
+  BufferOptions o;
+  o.timeout_s = 10;
+  BufferGuard buf = make_buffer(o);
+  const Tensor x = random_bf16({T, H}, hash4(0x5a3e, static_cast<uint64_t>(me), 0, 0));
+  auto dispatch_token = [&](int64_t token) {  // that token to the next rank's first expert, the other nowhere
+    Tensor idx = Tensor::empty({T, 1}, DType::i64);
+    for (int64_t t = 0; t < T; ++t) idx.data_ptr<int64_t>()[t] = t == token ? 2 * ((me + 1) % R) : -1;
+    const DispatchLayout layout = buf->get_dispatch_layout(idx, static_cast<int>(E));
+    DispatchArgs a;
+    a.x = x;
+    a.num_tokens_per_rank = layout.num_tokens_per_rank;
+    a.is_token_in_rank = layout.is_token_in_rank;
+    a.num_tokens_per_expert = layout.num_tokens_per_expert;
+    return buf->dispatch(a);
+  };
+  DispatchResult da, db;
+  if (!collective_step("dispatch A, then B", [&] {
+        da = dispatch_token(0);
+        db = dispatch_token(1);
+      }))
+    return;
+  CombineArgs ca;
+  ca.x = me == 0 ? db.recv_x : da.recv_x;
+  ca.handle = me == 0 ? db.handle : da.handle;
+  try {
+    (void)buf->combine(ca);
+    ADD_FAILURE() << "combine returned with rank 0 on another dispatch's handle";
+  } catch (const TimeoutError& e) {
+    ADD_FAILURE() << "a TimeoutError, not the handle check: " << e.what();
+  } catch (const moekit::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("handle"), std::string::npos) << e.what();
+  }
+  CombineArgs good;
+  good.x = db.recv_x;
+  good.handle = db.handle;
+  EXPECT_TRUE(collective_step("combine B on every rank", [&] { (void)buf->combine(good); }));
+}
+
+// Each rank sends both of its tokens to the next rank, with is_token_in_rank given as bytes
+// of 2 (from_blob over u8 data: not a valid bool, read as "sent"). Then it writes garbage
+// into its handle's public tensors (send_head far out of range, is_token_in_rank all false):
+// the combine and a cached dispatch must still use the dispatch's routing. Before, combine
+// followed the public send_head (a segfault) and the cached dispatch its is_token_in_rank.
+TEST(EpFaults, HandleTensorsAreForInspectionOnly) {
+  const int me = my_rank(), R = num_ranks();
+  if (R < 2) GTEST_SKIP() << "needs two ranks";
+  const int64_t T = 2, H = 128, E = R;
+  BufferGuard buf = make_buffer();
+  auto x_of = [&](int rank) { return random_bf16({T, H}, hash4(0x4a7d, static_cast<uint64_t>(rank), 0, 0)); };
+  const Tensor x = x_of(me), from_prev = x_of((me + R - 1) % R);
+  Tensor idx = Tensor::empty({T, 1}, DType::i64);
+  for (int64_t t = 0; t < T; ++t) idx.data_ptr<int64_t>()[t] = (me + 1) % R;
+  const DispatchLayout layout = buf->get_dispatch_layout(idx, static_cast<int>(E));
+  std::vector<uint8_t> in_rank_bytes(static_cast<size_t>(T * R), 0);
+  for (int64_t t = 0; t < T; ++t) in_rank_bytes[static_cast<size_t>(t * R + (me + 1) % R)] = 2;
+  DispatchArgs a;
+  a.x = x;
+  a.num_tokens_per_rank = layout.num_tokens_per_rank;
+  a.is_token_in_rank = Tensor::from_blob(in_rank_bytes.data(), {T, R}, DType::boolean);
+  a.num_tokens_per_expert = layout.num_tokens_per_expert;
+  DispatchResult d;
+  if (!collective_step("dispatch with is_token_in_rank bytes of 2", [&] { d = buf->dispatch(a); })) return;
+  auto same_bits = [&](const Tensor& got, const Tensor& want, const char* what) {
+    ASSERT_EQ(got.size(0), want.size(0)) << what;
+    for (int64_t i = 0; i < want.numel(); ++i)
+      ASSERT_EQ(got.data_ptr<uint16_t>()[i], want.data_ptr<uint16_t>()[i]) << what << ", element " << i;
+  };
+  same_bits(d.recv_x, from_prev, "received rows");
+  std::fill_n(d.handle.send_head.data_ptr<int32_t>(), T * R, int32_t{1} << 28);
+  std::memset(d.handle.is_token_in_rank.data(), 0, static_cast<size_t>(T * R));
+  CombineArgs c;
+  c.x = d.recv_x;
+  c.handle = d.handle;
+  CombineResult back;
+  EXPECT_TRUE(collective_step("combine after writing into the handle", [&] { back = buf->combine(c); }));
+  if (back.combined_x.defined()) same_bits(back.combined_x, x, "combined rows (each token's one row, back)");
+  DispatchArgs cached;
+  cached.x = x;
+  cached.handle = d.handle;
+  DispatchResult again;
+  EXPECT_TRUE(collective_step("cached dispatch after writing into the handle", [&] { again = buf->dispatch(cached); }));
+  if (again.recv_x.defined()) same_bits(again.recv_x, from_prev, "rows of the cached dispatch");
+}
+
 // Rank 1 never calls dispatch: the others raise TimeoutError naming it; then every rank
 // destroys that buffer and a new one works.
 TEST(EpFaults, TimeoutNamesTheSilentRank) {

@@ -272,9 +272,10 @@ class HangWatchdog {
 
 // Constructs a Buffer on comm with this rank's arguments; returns the Error it raised (an
 // empty argument() and an ADD_FAILURE when it raised none or another exception).
-moekit::Error construct_expecting_error(MPI_Comm comm, int64_t nvl_bytes, moekit::ep::BufferOptions o) {
+moekit::Error construct_expecting_error(MPI_Comm comm, int64_t nvl_bytes, moekit::ep::BufferOptions o,
+                                        int64_t rdma_bytes = 0) {
   try {
-    moekit::ep::Buffer buf(comm, nvl_bytes, 0, o);
+    moekit::ep::Buffer buf(comm, nvl_bytes, rdma_bytes, o);
     ADD_FAILURE() << "the Buffer was constructed although a rank's arguments were bad";
     buf.destroy();
   } catch (const moekit::ep::TimeoutError& e) {
@@ -349,6 +350,32 @@ TEST(EpBufferFaults, RanksPerNodeThatDiffersAcrossRanksRaisesOnEveryRank) {
     raised = !e.function().empty();
     if (raised) {
       EXPECT_EQ(e.argument(), "ranks_per_node") << e.what();
+    }
+    EXPECT_TRUE(all_ranks(raised)) << "every rank must raise";
+  }
+  MPI_Comm_free(&comm);
+}
+
+// Collective. Rank 0 asks for four times the low-latency bytes of the others (every size above
+// the hint): every rank must raise naming num_rdma_bytes. Each rank finds its peers' halves
+// at its own half size, so buffers built this way had given wrong receive counts from the
+// second low-latency call on, read from past the end of a peer's mapping.
+TEST(EpBufferFaults, RdmaBytesThatDifferAcrossRanksRaiseOnEveryRank) {
+  using namespace moekit::ep::testing;
+  const int me = my_rank(), R = num_ranks();
+  if (R < 2) GTEST_SKIP() << "needs two ranks";
+  MPI_Comm comm = MPI_COMM_NULL;
+  MPI_Comm_dup(MPI_COMM_WORLD, &comm);
+  moekit::ep::BufferOptions o;
+  o.timeout_s = 5;
+  const int64_t hint = moekit::ep::get_low_latency_rdma_size_hint(8, 128, R, R);
+  bool raised = false;
+  {
+    HangWatchdog dog("ep::Buffer construction with num_rdma_bytes differing across ranks", std::chrono::seconds(60));
+    const moekit::Error e = construct_expecting_error(comm, int64_t{1} << 20, o, me == 0 ? 4 * hint : hint);
+    raised = !e.function().empty();
+    if (raised) {
+      EXPECT_EQ(e.argument(), "num_rdma_bytes") << e.what();
     }
     EXPECT_TRUE(all_ranks(raised)) << "every rank must raise";
   }

@@ -191,6 +191,14 @@ Buffer::Buffer(MPI_Comm comm, int64_t num_nvl_bytes, int64_t num_rdma_bytes, Buf
       give_up("ranks_per_node", "the same on every rank (BufferOptions::ranks_per_node, MOEKIT_EP_RANKS_PER_NODE)",
               std::to_string(ranks_per_node_of(0)) + " on rank 0, " + std::to_string(ranks_per_node_of(r)) + " on rank " +
                   std::to_string(r));
+  // Each rank addresses its peers' low-latency halves by its own size (ll_half_stride).
+  std::vector<int64_t> rdma_bytes(static_cast<size_t>(m.num_ranks));
+  MPI_Allgather(&num_rdma_bytes, 1, MPI_INT64_T, rdma_bytes.data(), 1, MPI_INT64_T, m.comm);
+  for (int r = 1; r < m.num_ranks; ++r)
+    if (rdma_bytes[static_cast<size_t>(r)] != rdma_bytes[0])
+      give_up("num_rdma_bytes", "the same on every rank",
+              std::to_string(rdma_bytes[0]) + " on rank 0, " + std::to_string(rdma_bytes[static_cast<size_t>(r)]) +
+                  " on rank " + std::to_string(r));
   if (m.num_ranks % m.ranks_per_node != 0)
     give_up("ranks_per_node", "a divisor of the rank count " + std::to_string(m.num_ranks), std::to_string(m.ranks_per_node));
   if (m.ranks_per_node > 32)

@@ -227,7 +227,11 @@ struct HandleState {
   uint64_t buffer_id = 0;
   int num_ranks = 0, rank = 0;
   int64_t tokens = 0, rows = 0;        // rows = allocated receive rows (worst case or exact)
-  Tensor send_head;                    // i32 [T, R], the public handle's tensor
+  uint64_t dispatch_op = 0;            // the buffer's op number of the dispatch: equal on every rank
+  // Private copies: the handle's public tensors are for inspection, and a caller that writes
+  // into them must not steer a later combine or cached dispatch out of bounds.
+  Tensor send_head;                    // i32 [T, R]
+  Tensor is_token_in_rank;             // bool [T, R], contiguous, every byte 0 or 1
   std::vector<int64_t> counts;         // [s * R + d]: tokens rank s sends to rank d
   std::vector<std::vector<int32_t>> send_tokens;  // per destination, ascending
   int64_t count(int s, int d) const { return counts[static_cast<size_t>(s * num_ranks + d)]; }
@@ -251,13 +255,18 @@ struct HandleState {
   std::vector<int32_t> node_pos;                  // [t * N + n]: index of t in node_tokens[n] or -1
 };
 
-// FNV-1a over a handle's token counts (source x destination): equal on every rank for the
-// same dispatch. Combine compares it across ranks: handles of different dispatches would
-// make the expert ranks write rows at offsets the owners did not lay out.
+// FNV-1a over a handle's dispatch op number and token counts (source x destination): equal
+// on every rank for the same dispatch. Combine compares it across ranks: handles of
+// different dispatches would make the expert ranks write rows at offsets the owners did not
+// lay out. The counts alone are not enough: two dispatches may send as many tokens between
+// every pair of ranks but different ones (and, across nodes, carry different rows).
 inline uint64_t layout_hash(const HandleState& hs) {
   uint64_t h = 1469598103934665603ull;
-  for (int64_t c : hs.counts)
-    for (int i = 0; i < 8; ++i) h = (h ^ ((static_cast<uint64_t>(c) >> (8 * i)) & 0xff)) * 1099511628211ull;
+  auto mix = [&h](uint64_t v) {
+    for (int i = 0; i < 8; ++i) h = (h ^ ((v >> (8 * i)) & 0xff)) * 1099511628211ull;
+  };
+  mix(hs.dispatch_op);
+  for (int64_t c : hs.counts) mix(static_cast<uint64_t>(c));
   return h;
 }
 

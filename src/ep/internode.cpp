@@ -210,6 +210,7 @@ DispatchResult dispatch_internode(Buffer::Impl& m, const DispatchArgs& a) {
   hs->num_ranks = R;
   hs->rank = me;
   hs->tokens = plan.tokens;
+  hs->dispatch_op = m.op;
   hs->num_nodes = N;
   hs->ranks_per_node = L;
   hs->counts.resize(static_cast<size_t>(R * R));

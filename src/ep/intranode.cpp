@@ -70,6 +70,7 @@ DispatchResult Buffer::dispatch(const DispatchArgs& a) {
   hs->num_ranks = R;
   hs->rank = me;
   hs->tokens = plan.tokens;
+  hs->dispatch_op = m.op;
   hs->counts.resize(static_cast<size_t>(R * R));
   for (int s = 0; s < R; ++s)
     for (int d = 0; d < R; ++d) hs->counts[static_cast<size_t>(s * R + d)] = m.counts_rank(s)[d];

@@ -50,7 +50,7 @@ DispatchPlan plan_dispatch(const DispatchArgs& a, int num_ranks, uint64_t buffer
     if (a.topk_idx.defined() || a.topk_weights.defined())
       fail(fn, "topk_idx", "no top-k inputs with a cached handle", "top-k tensors");
     p.send_tokens = hs.send_tokens;
-    p.is_token_in_rank = a.handle->is_token_in_rank;
+    p.is_token_in_rank = hs.is_token_in_rank;
     return p;
   }
 
@@ -88,12 +88,18 @@ DispatchPlan plan_dispatch(const DispatchArgs& a, int num_ranks, uint64_t buffer
     fail(fn, "topk_weights", "no weights without topk_idx", a.topk_weights.str());
   }
 
-  p.is_token_in_rank = a.is_token_in_rank.contiguous();
+  // A copy of our own with every byte 0 or 1: a caller's bool tensor may hold other bytes
+  // (from_blob over u8 data, say), which read as bool would be undefined behaviour.
+  p.is_token_in_rank = Tensor::empty({p.tokens, num_ranks}, DType::boolean);
+  p.is_token_in_rank.copy_from(a.is_token_in_rank);
+  auto* in_rank = static_cast<uint8_t*>(p.is_token_in_rank.data());
   p.send_tokens.assign(static_cast<size_t>(num_ranks), {});
-  const bool* in_rank = p.is_token_in_rank.data_ptr<bool>();
   for (int64_t t = 0; t < p.tokens; ++t)
-    for (int d = 0; d < num_ranks; ++d)
-      if (in_rank[t * num_ranks + d]) p.send_tokens[static_cast<size_t>(d)].push_back(static_cast<int32_t>(t));
+    for (int d = 0; d < num_ranks; ++d) {
+      uint8_t& flag = in_rank[t * num_ranks + d];
+      flag = flag != 0;
+      if (flag) p.send_tokens[static_cast<size_t>(d)].push_back(static_cast<int32_t>(t));
+    }
   for (int d = 0; d < num_ranks; ++d) {
     const int64_t given = a.num_tokens_per_rank.data_ptr<int32_t>()[d * a.num_tokens_per_rank.stride(0)];
     const auto counted = static_cast<int64_t>(p.send_tokens[static_cast<size_t>(d)].size());
@@ -149,7 +155,9 @@ void fill_dispatch_outputs(DispatchResult& out, const DispatchPlan& plan, DType 
   }
   h.num_recv_tokens = hs->recv_total(hs->rank);
   h.hidden = plan.hidden;
-  hs->send_head = h.send_head;
+  hs->send_head = Tensor::empty({plan.tokens, R}, DType::i32);
+  hs->send_head.copy_from(h.send_head);
+  hs->is_token_in_rank = plan.is_token_in_rank;
   h.internal = hs;
 }
 
