@@ -1136,6 +1136,33 @@ TEST(EpLowLatency, HookReceivesInTheBackground) {
   expect_combined(comb.combined_x, expected_combined(w, Fmt::fp8, Expert::scaled, no_mask()), w, "combined_x");
 }
 
+// A combine of a hooked dispatch whose hook was not called, where hooks defer their receive
+// (across nodes without MPI_THREAD_MULTIPLE, docs/EP.md): every rank raises on "handle"
+// (before, it combined by another call's counts: wrong sums, no error); after the hooks the
+// same combine is right. (Where the receive runs in the background the combine waits for it,
+// but the expert outputs it combines come from the received rows: the hook comes first.)
+TEST(EpLowLatency, CombineBeforeADeferredHookRaises) {
+  const int R = num_ranks();
+  const LLWorld w = make_ll_world(ll_spec(256, 2, std::min(4, 2 * R), 16, mixed_tokens(16), 570, Data::rank_encoded));
+  BufferOptions o;
+  o.timeout_s = 10;
+  BufferGuard buf = make_ll_buffer(w.hint(), o);
+  int thread_level = MPI_THREAD_SINGLE;
+  MPI_Query_thread(&thread_level);
+  if (buf->get_num_local_ranks() == R || thread_level >= MPI_THREAD_MULTIPLE)
+    GTEST_SKIP() << "hooks defer their receive only across nodes without MPI_THREAD_MULTIPLE (ctest's ep_two_nodes runs)";
+  LowLatencyDispatchResult r;
+  if (!collective_step("dispatch with a hook", [&] { r = buf->low_latency_dispatch(dispatch_args(w, Fmt::bf16, Completion::hook)); }))
+    return;
+  ASSERT_TRUE(static_cast<bool>(r.hook));
+  Tensor y = Tensor::zeros({w.El, w.slots(), w.H}, DType::bf16);
+  EXPECT_TRUE(all_ranks(expect_ep_error_on([&] { (void)run_combine(*buf, combine_args(w, r, y, Completion::sync), Completion::sync); }, "handle")));
+  if (!collective_step("the hook", [&] { r.hook(); })) return;
+  LowLatencyCombineResult comb;
+  if (!collective_step("combine", [&] { comb = combine_private(*buf, w, r, Fmt::bf16, Expert::scaled, Completion::sync); })) return;
+  expect_combined(comb.combined_x, expected_combined(w, Fmt::bf16, Expert::scaled, no_mask()), w, "combined_x");
+}
+
 // Two live results of different hidden sizes on one buffer sized for both (docs/EP.md: a
 // result stays valid until the second low-latency dispatch after it; nothing there restricts
 // the shapes of the calls in between). A: H = 128, B: H = 7168, every rank at the token limit.
@@ -1214,6 +1241,62 @@ TEST(EpLowLatency, CombineOfASmallerResultKeepsTheLargerLive) {
   check_ll_dispatch(a, wa, Fmt::bf16, no_mask());
   if (!collective_step("combine A", [&] { ca = combine_private(*buf, wa, a, Fmt::bf16, Expert::scaled, Completion::sync); })) return;
   expect_combined(ca.combined_x, expected_combined(wa, Fmt::bf16, Expert::scaled, no_mask()), wa, "A combined_x");
+}
+
+// Two live results of different sizes (A: 16 tokens at most, B: 4); rank 0 combines B, the
+// others A, every x in the buffer's shared heap (read in place). Every rank must raise on
+// "handle": an owner finds its rows by its own handle's layout in x shaped by the expert
+// rank's, and before the combine compared the dispatches this read rows of A's layout past
+// the end of rank 0's smaller x, without an error. Then A combines on every rank.
+TEST(EpLowLatency, CombineOfDifferentLiveResultsAcrossRanksRaises) {
+  const int me = my_rank(), R = num_ranks();
+  if (R < 2) GTEST_SKIP() << "needs two ranks";
+  const int64_t H = 128, E = R;
+  BufferOptions o;
+  o.timeout_s = 10;
+  BufferGuard buf = make_ll_buffer(get_low_latency_rdma_size_hint(16, H, R, static_cast<int>(E)), o, 8 << 20);
+  auto routing = [](int64_t T) {  // every token to expert 0 (rank 0)
+    Tensor idx = Tensor::zeros({T, 1}, DType::i64);
+    return idx;
+  };
+  auto ones = [](const Shape& shape, DType dtype) {
+    Tensor t = Tensor::empty(shape, dtype);
+    for (int64_t i = 0; i < t.numel(); ++i) {
+      if (dtype == DType::f32) t.data_ptr<float>()[i] = 1.0f;
+      else t.data_ptr<uint16_t>()[i] = 0x3f80;  // bf16 1.0
+    }
+    return t;
+  };
+  auto dispatch = [&](int64_t max_tokens) {
+    LowLatencyDispatchArgs a;
+    a.x = ones({max_tokens, H}, DType::bf16);
+    a.topk_idx = routing(max_tokens);
+    a.num_max_dispatch_tokens_per_rank = max_tokens;
+    a.num_experts = static_cast<int>(E);
+    a.use_fp8 = false;
+    return buf->low_latency_dispatch(a);
+  };
+  LowLatencyDispatchResult ra, rb;
+  if (!collective_step("dispatch A (16 tokens), then B (4)", [&] {
+        ra = dispatch(16);
+        rb = dispatch(4);
+      }))
+    return;
+  auto combine = [&](const LowLatencyDispatchResult& r, int64_t T) {
+    LowLatencyCombineArgs c;
+    c.x = buf->alloc_shared({1, T * R, H}, DType::bf16);
+    c.x.copy_from(ones({1, T * R, H}, DType::bf16));
+    c.topk_idx = routing(T);
+    c.topk_weights = ones({T, 1}, DType::f32);
+    c.handle = r.handle;
+    return buf->low_latency_combine(c);
+  };
+  const bool raised = expect_ep_error_on([&] { (void)(me == 0 ? combine(rb, 4) : combine(ra, 16)); }, "handle");
+  EXPECT_TRUE(all_ranks(raised)) << "every rank must raise";
+  LowLatencyCombineResult back;
+  if (!collective_step("combine A on every rank", [&] { back = combine(ra, 16); })) return;
+  for (int64_t i = 0; i < back.combined_x.numel(); ++i)
+    ASSERT_EQ(back.combined_x.data_ptr<uint16_t>()[i], 0x3f80) << "element " << i;
 }
 
 // A dispatch (combine) whose regions cannot fit beside the live result of the last combine

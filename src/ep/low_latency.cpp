@@ -106,7 +106,7 @@ enum LLMeta : int {
   kLLXOff,
   kLLXStrideE,  // bytes between experts
   kLLXStrideR,  // bytes between rows
-  kLLDispatchHalf,
+  kLLDispatchCall,  // combine: the call number of the dispatch whose result it combines
   kLLError,  // 1 when the rank rejected its arguments for this call
   kLLCall,   // messages across nodes: the sender's call number
   kLLRows,   // messages across nodes: the rows carried
@@ -274,6 +274,7 @@ struct LLHandleState {
   int64_t tokens = 0, topk = 0;
   LLLayout layout{1, 128, 1, 1};
   std::vector<int32_t> recv_count;  // per local expert
+  std::atomic<bool> received{false};  // the receive completed (its rows, counts and ranges are in place)
 };
 
 // The layout ranges that same-node rank `local` published for the dispatch of `state`:
@@ -428,6 +429,7 @@ void post_combine_messages(Buffer::Impl& m, const LLHandleState& st, const Tenso
     head[kLLHidden] = static_cast<uint64_t>(L.hidden);
     head[kLLCall] = call;
     head[kLLRows] = static_cast<uint64_t>(rows);
+    head[kLLDispatchCall] = st.call;
     char* out = msg->data() + layout.x;
     for (int64_t e = 0; e < L.local_experts; ++e) {
       const int64_t begin = range[e * R + g] >> 32, n = range[e * R + g] & 0xffffffff;
@@ -723,6 +725,7 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch_checked(const LowLatencyDi
     std::copy_n(count, local_E, state->recv_count.begin());
     if (stats.defined())
       for (int64_t e = 0; e < local_E; ++e) stats.data_ptr<int32_t>()[e * stats.stride(0)] += count[e];
+    state->received.store(true, std::memory_order_release);
   };
   schedule_receive(m, a.async_finish, a.return_recv_hook, std::move(receive), out);
   return out;
@@ -743,7 +746,19 @@ Tensor Buffer::get_next_low_latency_combine_buffer(const LowLatencyHandle& handl
 }
 
 LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs& a) {
-  return ll_call(*impl_, kLLCombine, impl_->ll_combines, false, [&] { return low_latency_combine_checked(a); });
+  Impl& m = *impl_;
+  // A dispatch whose receive has not run (a deferred hook not called, or a failed receive):
+  // its counts and ranges are not in place yet. Refused before the call counts, without
+  // ll_abandon: the call's metadata would overwrite what that receive has yet to read
+  // (dispatch and combine share a half's). Peers that go on time out naming this rank.
+  if (a.handle.defined()) {
+    const auto& st = *static_cast<const LLHandleState*>(a.handle.internal.get());
+    if (m.pending.valid()) m.pending.wait();  // (a receive on the worker thread finishes first)
+    if (st.buffer_id == m.id && !st.received.load(std::memory_order_acquire))
+      fail(kLLCombine, "handle", "a dispatch whose receive completed (call its hook first)",
+           "a dispatch whose receive has not run, or failed");
+  }
+  return ll_call(m, kLLCombine, m.ll_combines, false, [&] { return low_latency_combine_checked(a); });
 }
 
 LowLatencyCombineResult Buffer::low_latency_combine_checked(const LowLatencyCombineArgs& a) {
@@ -849,7 +864,7 @@ LowLatencyCombineResult Buffer::low_latency_combine_checked(const LowLatencyComb
     }
   }
   meta[kLLHidden] = static_cast<uint64_t>(H);
-  meta[kLLDispatchHalf] = static_cast<uint64_t>(state->half);
+  meta[kLLDispatchCall] = state->call;
   meta[kLLError] = 0;
   detail::stream_fence();
   m.ll_offered(lr).store(call, std::memory_order_release);
@@ -886,6 +901,13 @@ LowLatencyCombineResult Buffer::low_latency_combine_checked(const LowLatencyComb
     try {
       wait_sources(m, fn, [&](int p) { return m.ll_offered(p).load(std::memory_order_acquire) >= call; }, in);
       check_source_errors(m, fn, in, half);
+      // Rows are found by this rank's layout in x shaped by each expert rank's handle: every
+      // rank must combine the same dispatch's result (one of two live ones could be mixed).
+      for (int d = 0; d < R; ++d)
+        if (const uint64_t theirs = m.masked[static_cast<size_t>(d)] ? state->call : source_meta(m, in, d, half)[kLLDispatchCall];
+            theirs != state->call)
+          fail(fn, "handle", "the same dispatch's result on every rank (dispatch " + std::to_string(state->call) + " here)",
+               "dispatch " + std::to_string(theirs) + "'s on rank " + std::to_string(d));
       // Where each expert rank's rows are: same node, its offer (and, below, where this rank's
       // rows begin in each expert, from its layout_range); other node, its message, which holds
       // this rank's rows expert by expert.
