@@ -24,6 +24,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <numeric>
 #include <optional>
@@ -1473,6 +1474,31 @@ TEST(EpIntranode, HeldResultsStayValid) {
 
 // ------------------------------------------------------------------ tests: bad input
 
+// Collective (the Buffer constructions). The size hint and the Buffer's options refuse values
+// that would give a negative or wrapped size, or a wait without end.
+TEST(EpErrors, SizeHintAndOptionsRefuseBadValues) {
+  Config c;
+  EXPECT_TRUE(expect_ep_error_on([&] { (void)c.get_nvl_buffer_size_hint(-1, 2); }, "hidden_bytes"));
+  EXPECT_TRUE(expect_ep_error_on([&] { (void)c.get_nvl_buffer_size_hint(7168, -2); }, "num_ranks"));
+  EXPECT_TRUE(expect_ep_error_on([&] { (void)c.get_nvl_buffer_size_hint(7168, 0); }, "num_ranks"));
+  Config negative = c;
+  negative.num_max_nvl_chunked_recv_tokens = -5;
+  EXPECT_TRUE(expect_ep_error_on([&] { (void)negative.get_nvl_buffer_size_hint(7168, 2); }, "num_max_nvl_chunked_recv_tokens"));
+  Config huge = c;
+  huge.num_max_nvl_chunked_recv_tokens = std::numeric_limits<int>::max();
+  EXPECT_TRUE(expect_ep_error_on([&] { (void)huge.get_nvl_buffer_size_hint(int64_t{1} << 40, 1 << 20); }, "num_max_nvl_chunked_recv_tokens"));
+  EXPECT_GT(c.get_nvl_buffer_size_hint(7168 * 2, 8), 8 * 256 * 7168 * 2);
+  // Options: every rank passes the same bad value, and each raises its own Error.
+  for (const double bad : {std::numeric_limits<double>::infinity(), std::numeric_limits<double>::quiet_NaN()}) {
+    BufferOptions o;
+    o.timeout_s = bad;
+    EXPECT_TRUE(all_ranks(expect_ep_error_on([&] { Buffer b(MPI_COMM_WORLD, 1 << 20, 0, o); }, "options.timeout_s")));
+  }
+  BufferOptions o;
+  o.ranks_per_node = -3;
+  EXPECT_TRUE(all_ranks(expect_ep_error_on([&] { Buffer b(MPI_COMM_WORLD, 1 << 20, 0, o); }, "options.ranks_per_node")));
+}
+
 TEST(EpErrors, BadInputRaisesOnEveryRankThenBufferStillWorks) {
   const int me = my_rank(), R = num_ranks();
   const World w = make_world(spec(256, 4, 4, tokens_per_rank([](int i) { return 10 + 3 * i; }), 901));
@@ -1543,6 +1569,14 @@ TEST(EpErrors, BadInputRaisesOnEveryRankThenBufferStillWorks) {
     DispatchArgs a = good(pl8);
     a.x_scales = Tensor();
     EXPECT_EP_ERROR(buf->dispatch(a));
+  }
+  {
+    SCOPED_TRACE("dispatch: a negative count in num_tokens_per_expert");
+    DispatchArgs a = good(pl);
+    a.num_tokens_per_expert = Tensor::zeros({w.E}, DType::i32);
+    a.num_tokens_per_expert.copy_from(rt.num_tokens_per_expert);
+    a.num_tokens_per_expert.data_ptr<int32_t>()[0] = -1000;
+    EXPECT_TRUE(expect_ep_error_on([&] { (void)buf->dispatch(a); }, "num_tokens_per_expert[0]"));
   }
   {
     SCOPED_TRACE("dispatch: e4m3 x with scales of the wrong shape");

@@ -1513,6 +1513,26 @@ TEST(EpLowLatency, BadArgumentsRaiseOnEveryRank) {
     EXPECT_EP_ERROR(buf->low_latency_dispatch(a));
   }
   {
+    SCOPED_TRACE("no tokens and num_max_dispatch_tokens_per_rank = 0: named, not the size hint's error");
+    LowLatencyDispatchArgs a = good();
+    a.x = Tensor::zeros({0, H}, DType::bf16);
+    a.topk_idx = Tensor::zeros({0, w.k}, DType::i64);
+    a.num_max_dispatch_tokens_per_rank = 0;
+    EXPECT_TRUE(expect_ep_error_where([&] { (void)buf->low_latency_dispatch(a); }, [](const moekit::Error& e) {
+      EXPECT_EQ(e.argument(), "num_max_dispatch_tokens_per_rank") << e.what();
+      EXPECT_EQ(e.function(), "ep::Buffer::low_latency_dispatch") << e.what();
+    }));
+  }
+  {
+    SCOPED_TRACE("hidden size 0");
+    LowLatencyDispatchArgs a = good(Fmt::bf16);
+    a.x = Tensor::zeros({a.x.size(0), 0}, DType::bf16);
+    EXPECT_TRUE(expect_ep_error_where([&] { (void)buf->low_latency_dispatch(a); }, [](const moekit::Error& e) {
+      EXPECT_EQ(e.argument(), "x") << e.what();
+      EXPECT_EQ(e.function(), "ep::Buffer::low_latency_dispatch") << e.what();
+    }));
+  }
+  {
     SCOPED_TRACE("use_ue8m0 without round_scale");
     LowLatencyDispatchArgs a = good();
     a.use_ue8m0 = true;

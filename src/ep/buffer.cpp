@@ -11,6 +11,7 @@
 //             2. expert ranks copy their rows back, signal done; owner reduces in f32
 //             3. owner signals it has finished reading (x offered in place may be released)
 // Flags only grow (op * 8 + phase), so a slow reader can never see a stale value as new.
+#include <cmath>
 #include <exception>
 #include <limits>
 
@@ -115,6 +116,17 @@ bool EventOverlap::done() const {
 }
 
 int64_t Config::get_nvl_buffer_size_hint(int64_t hidden_bytes, int num_ranks) const {
+  constexpr const char* fn = "ep::Config::get_nvl_buffer_size_hint";
+  if (hidden_bytes <= 0 || hidden_bytes > (int64_t{1} << 40)) fail(fn, "hidden_bytes", "in (0, 2^40]", std::to_string(hidden_bytes));
+  if (num_ranks <= 0 || num_ranks > (1 << 20)) fail(fn, "num_ranks", "in [1, 2^20]", std::to_string(num_ranks));
+  if (num_max_nvl_chunked_recv_tokens <= 0)
+    fail(fn, "num_max_nvl_chunked_recv_tokens", "> 0", std::to_string(num_max_nvl_chunked_recv_tokens));
+  // (2^40 + 128 bytes x 2^20 ranks x 2^31 tokens stays far below 2^127 but not 2^63: checked)
+  const long double bytes = static_cast<long double>(hidden_bytes + 128) * num_ranks * num_max_nvl_chunked_recv_tokens;
+  if (bytes > 0x1p60L)
+    fail(fn, "num_max_nvl_chunked_recv_tokens", "a size whose buffer is under 2^60 bytes",
+         std::to_string(num_max_nvl_chunked_recv_tokens) + " rows of " + std::to_string(hidden_bytes) + " bytes for " +
+             std::to_string(num_ranks) + " ranks");
   const int64_t row = static_cast<int64_t>(align_up(static_cast<size_t>(hidden_bytes), 64)) + 64;
   return static_cast<int64_t>(align_up(static_cast<size_t>(num_ranks) *
                                            static_cast<size_t>(num_max_nvl_chunked_recv_tokens) *
@@ -152,6 +164,11 @@ Buffer::Buffer(MPI_Comm comm, int64_t num_nvl_bytes, int64_t num_rdma_bytes, Buf
   try {
     if (num_nvl_bytes < 0) fail(fn, "num_nvl_bytes", ">= 0", std::to_string(num_nvl_bytes));
     if (num_rdma_bytes < 0) fail(fn, "num_rdma_bytes", ">= 0", std::to_string(num_rdma_bytes));
+    // (No wait may last forever: an infinite or NaN timeout is refused like a bad size.)
+    if (std::isnan(options.timeout_s) || std::isinf(options.timeout_s))
+      fail(fn, "options.timeout_s", "a finite number of seconds (<= 0: the default)", std::to_string(options.timeout_s));
+    if (options.ranks_per_node < 0)
+      fail(fn, "options.ranks_per_node", ">= 0 (0: the ranks sharing a host)", std::to_string(options.ranks_per_node));
     m.timeout = options.timeout_s > 0 ? options.timeout_s : env_double("MOEKIT_EP_TIMEOUT_S", 100.0);
     cma_wanted = env_flag("MOEKIT_EP_CMA", true);
     const char* cma_env = std::getenv("MOEKIT_EP_CMA");

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <future>
@@ -54,7 +55,7 @@ inline double env_double(const char* name, double fallback) {
   if (v == nullptr || *v == '\0') return fallback;
   char* end = nullptr;
   const double d = std::strtod(v, &end);
-  if (*end != '\0' || !(d > 0)) fail("ep::Buffer", name, "a positive number", v);
+  if (*end != '\0' || !(d > 0) || !std::isfinite(d)) fail("ep::Buffer", name, "a positive finite number", v);
   return d;
 }
 

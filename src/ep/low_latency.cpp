@@ -562,8 +562,9 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch_checked(const LowLatencyDi
   if (k > kMaxTopk) fail(fn, "topk_idx", "at most " + std::to_string(kMaxTopk) + " columns", a.topk_idx.str());
   if (E <= 0 || E % R != 0 || E > detail::kMaxExperts)
     fail(fn, "num_experts", "a positive multiple of " + std::to_string(R), std::to_string(E));
-  if (a.num_max_dispatch_tokens_per_rank < T)
-    fail(fn, "num_max_dispatch_tokens_per_rank", ">= the token count " + std::to_string(T),
+  if (H <= 0) fail(fn, "x", "a hidden size > 0", a.x.str());
+  if (a.num_max_dispatch_tokens_per_rank < std::max<int64_t>(T, 1))
+    fail(fn, "num_max_dispatch_tokens_per_rank", ">= the token count " + std::to_string(T) + ", and > 0",
          std::to_string(a.num_max_dispatch_tokens_per_rank));
   if (a.use_ue8m0 && !(a.use_fp8 && a.round_scale))
     fail(fn, "use_ue8m0", "use_fp8 and round_scale with use_ue8m0", "use_fp8=" + std::to_string(a.use_fp8) + ", round_scale=" + std::to_string(a.round_scale));

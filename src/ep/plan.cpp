@@ -67,8 +67,11 @@ DispatchPlan plan_dispatch(const DispatchArgs& a, int num_ranks, uint64_t buffer
     fail(fn, "num_tokens_per_rank", "i32 [" + std::to_string(num_ranks) + "]",
          a.num_tokens_per_rank.defined() ? a.num_tokens_per_rank.str() : "undefined");
   p.per_expert.resize(static_cast<size_t>(p.experts));
-  for (int64_t e = 0; e < p.experts; ++e)
-    p.per_expert[static_cast<size_t>(e)] = a.num_tokens_per_expert.data_ptr<int32_t>()[e * a.num_tokens_per_expert.stride(0)];
+  for (int64_t e = 0; e < p.experts; ++e) {
+    const int32_t n = a.num_tokens_per_expert.data_ptr<int32_t>()[e * a.num_tokens_per_expert.stride(0)];
+    if (n < 0) fail(fn, "num_tokens_per_expert[" + std::to_string(e) + "]", ">= 0", std::to_string(n));
+    p.per_expert[static_cast<size_t>(e)] = n;
+  }
 
   if (a.topk_idx.defined()) {
     check_cpu_matrix(fn, "topk_idx", a.topk_idx, {DType::i64});
