@@ -1571,6 +1571,12 @@ TEST(EpErrors, BadInputRaisesOnEveryRankThenBufferStillWorks) {
     EXPECT_EP_ERROR(buf->dispatch(a));
   }
   {
+    SCOPED_TRACE("dispatch: num_worst_tokens of 2^40 (rows are indexed by i32)");
+    DispatchArgs a = good(pl);
+    a.num_worst_tokens = int64_t{1} << 40;
+    EXPECT_TRUE(expect_ep_error_on([&] { (void)buf->dispatch(a); }, "num_worst_tokens"));
+  }
+  {
     SCOPED_TRACE("dispatch: a negative count in num_tokens_per_expert");
     DispatchArgs a = good(pl);
     a.num_tokens_per_expert = Tensor::zeros({w.E}, DType::i32);

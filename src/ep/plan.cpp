@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <string>
 
 #include "core/check.h"
@@ -40,7 +41,9 @@ DispatchPlan plan_dispatch(const DispatchArgs& a, int num_ranks, uint64_t buffer
     fail(fn, "x_scales", "no scales with bf16 x", a.x_scales.str());
   }
   if (a.expert_alignment < 1) fail(fn, "expert_alignment", ">= 1", std::to_string(a.expert_alignment));
-  if (a.num_worst_tokens < 0) fail(fn, "num_worst_tokens", ">= 0", std::to_string(a.num_worst_tokens));
+  // (received rows are indexed by i32, recv_src_idx and the handle's counts among them)
+  if (a.num_worst_tokens < 0 || a.num_worst_tokens > std::numeric_limits<int32_t>::max())
+    fail(fn, "num_worst_tokens", "in [0, 2^31)", std::to_string(a.num_worst_tokens));
 
   if (a.handle) {
     const HandleState& hs = handle_state(fn, *a.handle, buffer_id, num_ranks);
