@@ -9,6 +9,7 @@
 #include <functional>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "moekit/error.h"
@@ -429,11 +430,19 @@ TEST(Errors, CastBackFromFp8MixedDevices) {
   EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp8(Tensor::from_blob(qh.data(), {M, K}, DType::u8, gpu), sfg), "q");
   EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp8(Tensor::from_blob(qh.data(), {M * K}, DType::e4m3, gpu), sfg), "q");
 #ifndef MOEKIT_WITH_CUDA
-  // Everything valid and on the GPU, but no CUDA backend: a clear error (from the kernel
-  // stub, or from allocating the output on the GPU).
-  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp8_into(qg, sfg, outg), "");
-  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp8(qg, sfg), "");
-  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp8(qg, sfh), "");
+  // Everything valid and on the GPU, but no CUDA backend: cast_back_from_fp8 names q (the
+  // allocating form checks before it allocates the output there, which named Tensor::empty).
+  for (const auto& [what, sf] : {std::pair<const char*, Tensor>{"gpu sf", sfg}, {"cpu sf", sfh}}) {
+    SCOPED_TRACE(what);
+    try {
+      moekit::cast_back_from_fp8(qg, sf);
+      ADD_FAILURE() << "no moekit::Error";
+    } catch (const moekit::Error& e) {
+      EXPECT_EQ(e.function(), "cast_back_from_fp8") << e.what();
+      EXPECT_EQ(e.argument(), "q") << e.what();
+    }
+  }
+  EXPECT_MOEKIT_ERROR_ARG(moekit::cast_back_from_fp8_into(qg, sfg, outg), "q");
 #endif
 }
 
@@ -498,6 +507,12 @@ TEST(Errors, CeilToUe8m0Scalar) {
     EXPECT_MOEKIT_ERROR_ARG(moekit::ceil_to_ue8m0(bad), "sf");
   }
   EXPECT_EQ(moekit::ceil_to_ue8m0(0.3f), 0.5f);
+  // Above 2^127 no ue8m0 value lies at or above the scale (2^128 is no f32): it used to give +inf.
+  EXPECT_EQ(moekit::ceil_to_ue8m0(0x1p127f), 0x1p127f);
+  for (float huge : {std::nextafter(0x1p127f, std::numeric_limits<float>::max()), 3e38f, std::numeric_limits<float>::max()}) {
+    SCOPED_TRACE(huge);
+    EXPECT_MOEKIT_ERROR_ARG(moekit::ceil_to_ue8m0(huge), "sf");
+  }
 }
 
 TEST(Errors, CeilToUe8m0Tensor) {
@@ -513,6 +528,8 @@ TEST(Errors, CeilToUe8m0Tensor) {
   EXPECT_MOEKIT_ERROR_ARG(moekit::ceil_to_ue8m0(Tensor::from_blob(neg, {1, 2}, DType::f32)), "sf");
   float inf[2] = {1.0f, std::numeric_limits<float>::infinity()};
   EXPECT_MOEKIT_ERROR_ARG(moekit::ceil_to_ue8m0(Tensor::from_blob(inf, {2, 1}, DType::f32)), "sf");
+  float huge[2] = {1.0f, 3e38f};  // (above 2^127)
+  EXPECT_MOEKIT_ERROR_ARG(moekit::ceil_to_ue8m0(Tensor::from_blob(huge, {2}, DType::f32)), "sf");
   // Any rank and strided input are accepted (elementwise), with correct values.
   const Tensor strided = Tensor::from_blob(buf, {2, 2}, DType::f32).t();
   const Tensor r = moekit::ceil_to_ue8m0(strided);

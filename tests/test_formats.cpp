@@ -18,8 +18,12 @@
 #include <string>
 #include <vector>
 
-#include "moekit/error.h"
+// First and alone: a public header declares moekit::Error itself, so that a caller that
+// includes only it can catch what it raises.
 #include "moekit/formats.h"
+static_assert(sizeof(moekit::Error) > 0, "moekit/formats.h must declare moekit::Error");
+
+#include "moekit/error.h"
 #include "moekit/runtime.h"
 #include "moekit/tensor.h"
 #include "reference.h"

@@ -14,9 +14,13 @@
 #include <tuple>
 #include <vector>
 
+// First and alone: a public header declares moekit::Error itself, so that a caller that
+// includes only it can catch what it raises.
+#include "moekit/gemm.h"
+static_assert(sizeof(moekit::Error) > 0, "moekit/gemm.h must declare moekit::Error");
+
 #include "moekit/error.h"
 #include "moekit/formats.h"
-#include "moekit/gemm.h"
 #include "moekit/runtime.h"
 #include "moekit/tensor.h"
 #include "reference.h"
@@ -820,6 +824,12 @@ TEST(Gemm, CompatibilityHelpers) {
   EXPECT_EQ(get_tma_aligned_size(8, 4), 8);
   EXPECT_EQ(get_tma_aligned_size(17, 1), 32);
   EXPECT_MOEKIT_ERROR_ARG(get_tma_aligned_size(INT64_MAX, 1), "mn");  // (aligning would overflow)
+  // Results up to the largest multiple of the alignment in int64 are given (they used to be
+  // refused from INT64_MAX - alignment on).
+  EXPECT_EQ(get_tma_aligned_size(INT64_MAX, 16), INT64_MAX);           // alignment 1
+  EXPECT_EQ(get_tma_aligned_size(INT64_MAX - 15, 1), INT64_MAX - 15);  // 2^63 - 16
+  EXPECT_EQ(get_tma_aligned_size(INT64_MAX - 30, 1), INT64_MAX - 15);
+  EXPECT_MOEKIT_ERROR_ARG(get_tma_aligned_size(INT64_MAX - 14, 1), "mn");  // 2^63 does not fit
   EXPECT_EQ(get_tma_aligned_size(0, 2), 0);
   EXPECT_MOEKIT_ERROR_ARG(get_tma_aligned_size(5, 3), "element_size");
   const Tensor x = random_bf16(300, 200, 61);
@@ -833,6 +843,20 @@ TEST(Gemm, CompatibilityHelpers) {
   const Tensor g = transform_sf_into_required_layout(Tensor::zeros({3, 300, 2}, DType::f32), 300, 200,
                                                      Recipe{1, 128, 128}, 3, true);
   EXPECT_EQ(g.shape(), (Shape{3, 300, 2}));
+#ifndef __SANITIZE_ADDRESS__  // (ASan aborts on an allocation it cannot make rather than return null)
+  // A stride-0 sf whose contiguous copy (2^48 scales, 1 PiB) cannot be allocated is refused
+  // on 'sf' by this function, not by Tensor::empty on 'shape'.
+  float one = 1.0f;
+  const int64_t side = int64_t{1} << 24;
+  const Tensor broadcast = Tensor::from_blob(&one, {side, side}, DType::f32, Device::cpu(), {0, 0});
+  try {
+    transform_sf_into_required_layout(broadcast, side, side * 128, Recipe{1, 1, 128}, std::nullopt, false);
+    ADD_FAILURE() << "no moekit::Error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.function(), "transform_sf_into_required_layout") << e.what();
+    EXPECT_EQ(e.argument(), "sf") << e.what();
+  }
+#endif
 }
 
 // ---------------------------------------------------------------- pre-packed weights

@@ -439,6 +439,36 @@ TEST(Grouped, ScalesOfAnyStrides) {
   EXPECT_EQ(std::memcmp(want.data(), got.data(), 4 * 128), 0);
 }
 
+// A last dimension of size 1 may have any stride, as in the dense calls (N = 1 outputs and
+// K = 1 weights with stride 2 were refused): the same bits as through unit-stride tensors.
+TEST(Grouped, SizeOneLastDimensionsOfAnyStride) {
+  AlignmentGuard guard;
+  set_mk_alignment_for_contiguous_layout(1);
+  const Tensor layout = i32({0, 0, 1, -1});
+  // N = 1: D [4, 1] with strides {2, 2}.
+  const Tensor a = random_bf16({4, 64}, 51), b = random_bf16({2, 1, 64}, 52);
+  Tensor want = filled({4, 1}, DType::f32);
+  std::vector<float> dbuf(8, kSentinel);
+  const Tensor d = Tensor::from_blob(dbuf.data(), {4, 1}, DType::f32, Device::cpu(), {2, 2});
+  m_grouped_bf16_gemm_nt_contiguous(a, b, want, layout);
+  m_grouped_bf16_gemm_nt_contiguous(a, b, d, layout);
+  for (int64_t r = 0; r < 4; ++r) EXPECT_EQ(dbuf[static_cast<size_t>(2 * r)], want.data_ptr<float>()[r]) << r;
+  // K = 1: B [2, 3, 1] with strides {6, 2, 2}.
+  const Tensor a1 = random_bf16({4, 1}, 53), b1 = random_bf16({2, 3, 1}, 54);
+  std::vector<uint16_t> bbuf(12);
+  const Tensor b1_strided = Tensor::from_blob(bbuf.data(), {2, 3, 1}, DType::bf16, Device::cpu(), {6, 2, 2});
+  b1_strided.copy_from(b1);
+  Tensor want1 = filled({4, 3}, DType::f32), got1 = filled({4, 3}, DType::f32);
+  m_grouped_bf16_gemm_nt_contiguous(a1, b1, want1, layout);
+  m_grouped_bf16_gemm_nt_contiguous(a1, b1_strided, got1, layout);
+  EXPECT_EQ(std::memcmp(want1.data(), got1.data(), 4 * 12), 0);
+  // The masked form takes the same weights and outputs.
+  Tensor want_m = filled({2, 2, 3}, DType::f32), got_m = filled({2, 2, 3}, DType::f32);
+  m_grouped_bf16_gemm_nt_masked(a1.reshape({2, 2, 1}), b1, want_m, i32({2, 1}), 2);
+  m_grouped_bf16_gemm_nt_masked(a1.reshape({2, 2, 1}), b1_strided, got_m, i32({2, 1}), 2);
+  EXPECT_EQ(std::memcmp(want_m.data(), got_m.data(), 4 * 12), 0);
+}
+
 TEST(Grouped, BadInputRaisesNamedErrors) {
   AlignmentGuard guard;
   set_mk_alignment_for_contiguous_layout(4);

@@ -2,15 +2,21 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <numeric>
 #include <string>
 #include <vector>
 
+// First and alone: a public header declares moekit::Error itself, so that a caller that
+// includes only it can catch what it raises.
+#include "moekit/tensor.h"
+static_assert(sizeof(moekit::Error) > 0, "moekit/tensor.h must declare moekit::Error");
+
 #include "moekit/error.h"
 #include "moekit/runtime.h"
-#include "moekit/tensor.h"
 #include "test_util.h"
 
 namespace {
@@ -305,6 +311,25 @@ TEST(Tensor, SliceHugeStepDoesNotOverflow) {
   }
 }
 
+// The end of a dimension, start · stride · element size, need not fit in int64: from_blob
+// bounds the furthest element, and a dimension of size 1 may have any stride. An empty slice
+// there reads nothing; it keeps the base pointer rather than forming the offset (review
+// finding: 1 · 2^61 · 4 overflowed, UB that UBSan reports).
+TEST(Tensor, EmptySliceAtAHugeEndDoesNotOverflow) {
+  float x[2] = {};
+  const Tensor one = Tensor::from_blob(x, {1}, DType::f32, Device::cpu(), {int64_t{1} << 61});
+  const Tensor s = one.slice(0, 1, 1);
+  EXPECT_EQ(s.numel(), 0);
+  EXPECT_EQ(s.data(), one.data());
+  // Size 2 with the largest stride from_blob takes: 2 · (2^61 - 2) · 4 > 2^63.
+  const Tensor two = Tensor::from_blob(x, {2, 1}, DType::f32, Device::cpu(), {(int64_t{1} << 61) - 2, 1});
+  EXPECT_EQ(two.slice(0, 2, 2).shape(), (Shape{0, 1}));
+  EXPECT_EQ(two.slice(0, 2, 2).data(), two.data());
+  // Where the offset fits, an empty slice at the end still points one past the last row.
+  Grid g;
+  EXPECT_EQ(g.t.slice(0, 4, 4).data(), static_cast<void*>(&g.buf[24]));
+}
+
 TEST(Tensor, SelectSharesStorage) {
   Grid g;
   const Tensor r = g.t.select(0, 2);
@@ -581,6 +606,29 @@ TEST(Runtime, IsaSupportAndNames) {
   EXPECT_MOEKIT_ERROR_ARG(moekit::parse_isa("neon"), "name");
   EXPECT_MOEKIT_ERROR_ARG(moekit::parse_isa(""), "name");
   EXPECT_MOEKIT_ERROR_ARG(moekit::parse_isa("AVX2"), "name");
+}
+
+// MOEKIT_ISA is read once, by the process's first active_isa(): each value is tried in a
+// fresh process (a "threadsafe" death test re-runs this binary up to its statement), which
+// prints the Error's function and argument. An unknown name is the environment's fault, so
+// it names MOEKIT_ISA, as an unsupported one does (it used to name parse_isa's 'name').
+[[noreturn]] void first_active_isa_under(const char* value) {
+  ::setenv("MOEKIT_ISA", value, 1);
+  try {
+    moekit::active_isa();
+  } catch (const moekit::Error& e) {
+    std::fprintf(stderr, "raised by %s on %s\n", e.function().c_str(), e.argument().c_str());
+    std::exit(0);
+  }
+  std::exit(1);
+}
+
+TEST(RuntimeDeathTest, BadIsaEnvironmentNamesMoekitIsa) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  for (const char* value : {"bogus", "AVX2"}) {
+    SCOPED_TRACE(value);
+    EXPECT_EXIT(first_active_isa_under(value), ::testing::ExitedWithCode(0), "raised by active_isa on MOEKIT_ISA");
+  }
 }
 
 TEST(Runtime, SetActiveIsaAndScopedIsaRestore) {

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <utility>
 
+#include "moekit/error.h"
 #include "moekit/tensor.h"
 
 namespace moekit {
@@ -21,7 +22,7 @@ float e2m1_to_f32(uint8_t nibble);      // low 4 bits used
 uint8_t f32_to_e2m1(float x);           // |x| > 6 saturates to ±6; NaN → ±6 (its sign)
 float ue8m0_to_f32(uint8_t code);       // 2^(code-127); 255 → NaN
 uint8_t f32_to_ue8m0(float power_of_two);  // exponent byte of a positive power of two
-float ceil_to_ue8m0(float sf);          // 2^ceil(log2(sf)), sf > 0
+float ceil_to_ue8m0(float sf);          // 2^ceil(log2(sf)), 0 < sf <= 2^127
 
 // ---- quantisation casts (formats.md "Casts") ----
 // x: f32 or bf16, 2-D, last dim unit-stride. Returns (q, sf) with sf f32 (the power of two
@@ -67,7 +68,7 @@ void cast_back_from_fp4_into(const Tensor& q, const Tensor& sf, const Tensor& ou
                              int64_t gran_m = 1, int64_t gran_k = 32);
 
 // ---- scale-factor helpers ----
-// Elementwise 2^ceil(log2(sf)) on an f32 tensor (returns a new tensor).
+// Elementwise 2^ceil(log2(sf)) on an f32 tensor of values in (0, 2^127] (returns a new tensor).
 Tensor ceil_to_ue8m0(const Tensor& sf);
 // sf f32 [MN, G] of powers of two → i32 [MN, ceil(G/4)], byte i of word j = group 4j+i
 // (trailing bytes of the last word are 0, i.e. 2^-127, never read).

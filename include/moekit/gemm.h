@@ -24,6 +24,7 @@
 #include <optional>
 #include <vector>
 
+#include "moekit/error.h"
 #include "moekit/formats.h"
 #include "moekit/runtime.h"
 #include "moekit/tensor.h"

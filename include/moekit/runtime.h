@@ -3,6 +3,8 @@
 
 #include <string>
 
+#include "moekit/error.h"
+
 namespace moekit {
 
 struct CpuFeatures {

@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "moekit/error.h"
+
 namespace moekit {
 
 enum class DType : uint8_t {

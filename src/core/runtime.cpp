@@ -61,7 +61,12 @@ std::atomic<int> g_threads{0};
 Isa isa_from_environment() {
   const char* env = std::getenv("MOEKIT_ISA");
   if (env == nullptr || *env == '\0') return best_supported_isa();
-  const Isa requested = parse_isa(env);
+  Isa requested = Isa::scalar;
+  try {
+    requested = parse_isa(env);
+  } catch (const Error& e) {  // the environment's value is at fault, not a caller's argument
+    detail::fail("active_isa", "MOEKIT_ISA", e.expected(), e.actual());
+  }
   if (!isa_supported(requested))
     detail::fail("active_isa", "MOEKIT_ISA", "an instruction set this CPU supports (best: " +
                  std::string(isa_name(best_supported_isa())) + ")", env);

@@ -205,6 +205,22 @@ Tensor Tensor::from_blob_with_owner(void* data, const Shape& shape, DType dtype,
   return t;
 }
 
+namespace {
+
+// The byte offset of a slice's start. A start inside the dimension gives one that fits in
+// int64 (from_blob bounds the furthest element's end); the end of the dimension (start ==
+// extent) need not, e.g. on a dimension of size 1, which may have any stride. A slice there
+// is empty and reads nothing, so it keeps the base pointer when the offset would overflow.
+int64_t start_offset(int64_t start, int64_t stride, size_t element_size) {
+  int64_t offset = 0;
+  if (__builtin_mul_overflow(start, stride, &offset) ||
+      __builtin_mul_overflow(offset, static_cast<int64_t>(element_size), &offset))
+    return 0;
+  return offset;
+}
+
+}  // namespace
+
 Tensor Tensor::slice(int64_t d, int64_t start, int64_t end, int64_t step) const {
   d = wrap_dim(d);
   const int64_t n = shape_[d];
@@ -216,7 +232,7 @@ Tensor Tensor::slice(int64_t d, int64_t start, int64_t end, int64_t step) const 
     fail("Tensor::slice", "start", "0 <= start <= end <= " + std::to_string(n),
          "start " + std::to_string(start) + ", end " + std::to_string(end));
   Tensor t = *this;
-  t.data_ = static_cast<char*>(data_) + start * strides_[d] * static_cast<int64_t>(element_size());
+  t.data_ = static_cast<char*>(data_) + start_offset(start, strides_[d], element_size());
   const int64_t count = start == end ? 0 : (end - start - 1) / step + 1;
   int64_t stride = strides_[d];
   if (count > 1 && __builtin_mul_overflow(strides_[d], step, &stride))
@@ -232,7 +248,7 @@ Tensor Tensor::select(int64_t d, int64_t index) const {
   if (index < 0 || index >= shape_[d])
     fail("Tensor::select", "index", "an index in [0, " + std::to_string(shape_[d]) + ")",
          std::to_string(index));
-  Tensor t = *this;
+  Tensor t = *this;  // (index < extent: the offset fits, as in slice)
   t.data_ = static_cast<char*>(data_) + index * strides_[d] * static_cast<int64_t>(element_size());
   t.shape_.erase(t.shape_.begin() + d);
   t.strides_.erase(t.strides_.begin() + d);

@@ -44,8 +44,10 @@ uint8_t f32_to_ue8m0(float power_of_two) {
 }
 
 float ceil_to_ue8m0(float sf) {
-  if (!(sf > 0.0f) || !std::isfinite(sf))
-    throw Error("ceil_to_ue8m0", "sf", "a positive finite scale", std::to_string(sf));
+  // Above 2^127, the largest ue8m0 value, the power of two would be 2^128: no ue8m0 code
+  // (and +inf in f32).
+  if (!(sf > 0.0f && sf <= 0x1p127f))
+    throw Error("ceil_to_ue8m0", "sf", "a positive scale <= 2^127 (the largest ue8m0 value)", std::to_string(sf));
   return detail::ceil_pow2(sf);
 }
 

@@ -518,6 +518,8 @@ Tensor cast_back_from_fp8(const Tensor& q, const Tensor& sf, DType out_dtype, in
   detail::check_defined(fn, "q", q);
   detail::check_dtype(fn, "q", q, {DType::e4m3});
   detail::check_rank(fn, "q", q, 2);
+  if (q.device().is_cuda() && !detail::cuda_backend_built())  // (before allocating out there)
+    fail(fn, "q", "a cpu tensor (this moekit was built without MOEKIT_CUDA)", q.device().str());
   Tensor out = Tensor::empty(q.shape(), out_dtype, q.device());
   cast_back_from_fp8_into(q, sf, out, gran_m, gran_k);
   return out;

@@ -729,7 +729,7 @@ int64_t get_tma_aligned_size(int64_t mn, int64_t element_size) {
     fail("get_tma_aligned_size", "element_size", "1, 2, 4, 8 or 16", std::to_string(element_size));
   if (mn < 0) fail("get_tma_aligned_size", "mn", "mn >= 0", std::to_string(mn));
   const int64_t align = 16 / element_size;
-  if (mn > std::numeric_limits<int64_t>::max() - align)
+  if (mn > std::numeric_limits<int64_t>::max() / align * align)  // (rounds up past the last multiple)
     fail("get_tma_aligned_size", "mn", "a size whose alignment fits in int64", std::to_string(mn));
   return ceil_div(mn, align) * align;
 }
@@ -749,7 +749,12 @@ Tensor transform_sf_into_required_layout(const Tensor& sf, int64_t mn, int64_t k
     expected.insert(expected.begin(), *num_groups);
   }
   detail::check_shape(fn, "sf", sf, expected);
-  Tensor out = Tensor::empty(expected, sf.dtype());
+  Tensor out;
+  try {  // (a broadcast view, stride 0, may be too large to copy)
+    out = Tensor::empty(expected, sf.dtype());
+  } catch (const Error& e) {
+    fail(fn, "sf", "scales whose contiguous copy can be allocated", e.actual());
+  }
   out.copy_from(sf);
   return out;
 }
