@@ -1709,6 +1709,30 @@ TEST(EpFaults, BadInputOnOneRankDoesNotHangTheOthers) {
   EXPECT_FALSE(buf->is_available());
 }
 
+// Collective: rank 0 combines `b` (another dispatch's result), the other ranks `a`. Every rank
+// must raise at once on the handle (within 5 s, not by timeout), and then a combine of `a` on
+// every rank must work.
+void expect_mixed_handles_raise(Buffer& buf, const DispatchResult& a, const DispatchResult& b) {
+  const DispatchResult& mine = my_rank() == 0 ? b : a;
+  CombineArgs mixed;
+  mixed.x = mine.recv_x;
+  mixed.handle = mine.handle;
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    (void)buf.combine(mixed);
+    ADD_FAILURE() << "combine returned with rank 0 on another dispatch's handle";
+  } catch (const TimeoutError& e) {
+    ADD_FAILURE() << "a TimeoutError, not the handle check: " << e.what();
+  } catch (const moekit::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("handle"), std::string::npos) << e.what();
+  }
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 5.0);
+  CombineArgs good;
+  good.x = a.recv_x;
+  good.handle = a.handle;
+  EXPECT_TRUE(collective_step("combine the same dispatch on every rank", [&] { (void)buf.combine(good); }));
+}
+
 // Rank 0 combines with the handle of another dispatch than its peers (review finding,
 // 2026-12-03): the expert ranks would write rows at offsets of a layout the owners did not
 // make, into live shared memory. Every rank must raise at once, and the buffer stay usable.
@@ -1729,24 +1753,7 @@ TEST(EpFaults, CombineWithAnotherDispatchsHandleRaisesEverywhere) {
         db = buf->dispatch(fresh_args(pb, rb, true, 1, std::nullopt, false));
       }))
     return;
-  const DispatchResult& mine = me == 0 ? db : da;
-  CombineArgs ca;
-  ca.x = mine.recv_x;
-  ca.handle = mine.handle;
-  const auto start = std::chrono::steady_clock::now();
-  try {
-    (void)buf->combine(ca);
-    ADD_FAILURE() << "combine returned with rank 0 on another dispatch's handle";
-  } catch (const TimeoutError& e) {
-    ADD_FAILURE() << "a TimeoutError, not the handle check: " << e.what();
-  } catch (const moekit::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("handle"), std::string::npos) << e.what();
-  }
-  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 5.0);
-  CombineArgs good;
-  good.x = da.recv_x;
-  good.handle = da.handle;
-  EXPECT_TRUE(collective_step("combine A on every rank", [&] { (void)buf->combine(good); }));
+  expect_mixed_handles_raise(*buf, da, db);
 }
 
 // As above, with two dispatches that send as many tokens between every pair of ranks but
@@ -1778,21 +1785,7 @@ TEST(EpFaults, CombineWithAnotherDispatchOfTheSameCountsRaisesEverywhere) {
         db = dispatch_token(1);
       }))
     return;
-  CombineArgs ca;
-  ca.x = me == 0 ? db.recv_x : da.recv_x;
-  ca.handle = me == 0 ? db.handle : da.handle;
-  try {
-    (void)buf->combine(ca);
-    ADD_FAILURE() << "combine returned with rank 0 on another dispatch's handle";
-  } catch (const TimeoutError& e) {
-    ADD_FAILURE() << "a TimeoutError, not the handle check: " << e.what();
-  } catch (const moekit::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("handle"), std::string::npos) << e.what();
-  }
-  CombineArgs good;
-  good.x = db.recv_x;
-  good.handle = db.handle;
-  EXPECT_TRUE(collective_step("combine B on every rank", [&] { (void)buf->combine(good); }));
+  expect_mixed_handles_raise(*buf, db, da);
 }
 
 // Each rank sends both of its tokens to the next rank, with is_token_in_rank given as bytes

@@ -331,55 +331,52 @@ TEST(EpBufferFaults, BadArgumentOnOneRankRaisesOnEveryRank) {
   MPI_Comm_free(&comm);
 }
 
-// Collective. The ranks ask for different ranks_per_node (rank 0: 1, the others: the rank
-// count): every rank must raise the same Error naming ranks_per_node rather than build
-// buffers that disagree on the node layout. The watchdog as above.
-TEST(EpBufferFaults, RanksPerNodeThatDiffersAcrossRanksRaisesOnEveryRank) {
+// Collective, on a communicator of its own: constructing with these (per-rank) arguments must
+// raise on every rank, naming `argument`, under a watchdog as above.
+void expect_construction_raises_everywhere(const char* what, const std::string& argument, int64_t nvl_bytes,
+                                           int64_t rdma_bytes, moekit::ep::BufferOptions o) {
   using namespace moekit::ep::testing;
-  const int me = my_rank(), R = num_ranks();
-  if (R < 2) GTEST_SKIP() << "needs two ranks";
   MPI_Comm comm = MPI_COMM_NULL;
   MPI_Comm_dup(MPI_COMM_WORLD, &comm);
-  moekit::ep::BufferOptions o;
-  o.timeout_s = 5;
-  o.ranks_per_node = me == 0 ? 1 : R;
-  bool raised = false;
   {
-    HangWatchdog dog("ep::Buffer construction with ranks_per_node differing across ranks", std::chrono::seconds(60));
-    const moekit::Error e = construct_expecting_error(comm, int64_t{1} << 20, o);
-    raised = !e.function().empty();
+    HangWatchdog dog(what, std::chrono::seconds(60));
+    const moekit::Error e = construct_expecting_error(comm, nvl_bytes, o, rdma_bytes);
+    const bool raised = !e.function().empty();
     if (raised) {
-      EXPECT_EQ(e.argument(), "ranks_per_node") << e.what();
+      EXPECT_EQ(e.argument(), argument) << e.what();
     }
     EXPECT_TRUE(all_ranks(raised)) << "every rank must raise";
   }
   MPI_Comm_free(&comm);
 }
 
-// Collective. Rank 0 asks for four times the low-latency bytes of the others (every size above
-// the hint): every rank must raise naming num_rdma_bytes. Each rank finds its peers' halves
-// at its own half size, so buffers built this way had given wrong receive counts from the
+// The ranks ask for different ranks_per_node (rank 0: 1, the others: the rank count): every
+// rank must raise the same Error naming ranks_per_node rather than build buffers that
+// disagree on the node layout.
+TEST(EpBufferFaults, RanksPerNodeThatDiffersAcrossRanksRaisesOnEveryRank) {
+  using namespace moekit::ep::testing;
+  const int me = my_rank(), R = num_ranks();
+  if (R < 2) GTEST_SKIP() << "needs two ranks";
+  moekit::ep::BufferOptions o;
+  o.timeout_s = 5;
+  o.ranks_per_node = me == 0 ? 1 : R;
+  expect_construction_raises_everywhere("ep::Buffer construction with ranks_per_node differing across ranks",
+                                        "ranks_per_node", int64_t{1} << 20, 0, o);
+}
+
+// Rank 0 asks for four times the low-latency bytes of the others (every size above the
+// hint): every rank must raise naming num_rdma_bytes. Each rank finds its peers' halves at
+// its own half size, so buffers built this way had given wrong receive counts from the
 // second low-latency call on, read from past the end of a peer's mapping.
 TEST(EpBufferFaults, RdmaBytesThatDifferAcrossRanksRaiseOnEveryRank) {
   using namespace moekit::ep::testing;
   const int me = my_rank(), R = num_ranks();
   if (R < 2) GTEST_SKIP() << "needs two ranks";
-  MPI_Comm comm = MPI_COMM_NULL;
-  MPI_Comm_dup(MPI_COMM_WORLD, &comm);
   moekit::ep::BufferOptions o;
   o.timeout_s = 5;
   const int64_t hint = moekit::ep::get_low_latency_rdma_size_hint(8, 128, R, R);
-  bool raised = false;
-  {
-    HangWatchdog dog("ep::Buffer construction with num_rdma_bytes differing across ranks", std::chrono::seconds(60));
-    const moekit::Error e = construct_expecting_error(comm, int64_t{1} << 20, o, me == 0 ? 4 * hint : hint);
-    raised = !e.function().empty();
-    if (raised) {
-      EXPECT_EQ(e.argument(), "num_rdma_bytes") << e.what();
-    }
-    EXPECT_TRUE(all_ranks(raised)) << "every rank must raise";
-  }
-  MPI_Comm_free(&comm);
+  expect_construction_raises_everywhere("ep::Buffer construction with num_rdma_bytes differing across ranks",
+                                        "num_rdma_bytes", int64_t{1} << 20, me == 0 ? 4 * hint : hint, o);
 }
 
 // A segment larger than /dev/shm can hold raises moekit::Error (naming the size and
