@@ -1834,6 +1834,36 @@ TEST(EpFaults, HandleTensorsAreForInspectionOnly) {
   if (again.recv_x.defined()) same_bits(again.recv_x, from_prev, "rows of the cached dispatch");
 }
 
+// Rank 1 comes to destroy() after the others' 2 s timeout: on its node they raise
+// TimeoutError naming it (they had raised a plain Error naming no rank); on other nodes,
+// where who has come is not known, an Error. Then everyone goes on.
+TEST(EpFaults, DestroyTimeoutNamesTheLateRankOfThisNode) {
+  const int me = my_rank();
+  if (num_ranks() < 2) GTEST_SKIP() << "needs two ranks";
+  BufferOptions o;
+  o.timeout_s = 2;
+  BufferGuard buf = make_buffer(o);
+  const int per_node = buf->get_num_local_ranks();
+  if (me == 1) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(3500));
+    try {
+      buf->destroy();
+    } catch (const std::exception&) {  // (whether the late rank raises is not specified)
+    }
+  } else {
+    try {
+      buf->destroy();
+      ADD_FAILURE() << "destroy returned although rank 1 had not come";
+    } catch (const TimeoutError& e) {
+      EXPECT_EQ(me / per_node, 1 / per_node) << "a TimeoutError naming ranks of another node: " << e.what();
+      EXPECT_EQ(e.silent_ranks(), std::vector<int>{1}) << e.what();
+    } catch (const moekit::Error& e) {
+      EXPECT_NE(me / per_node, 1 / per_node) << "rank 1 is on this node, so the error should name it: " << e.what();
+    }
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
 // Rank 1 never calls dispatch: the others raise TimeoutError naming it; then every rank
 // destroys that buffer and a new one works.
 TEST(EpFaults, TimeoutNamesTheSilentRank) {

@@ -329,11 +329,18 @@ void Buffer::destroy() {
     fail("ep::Buffer::destroy", "MPI", "a buffer destroyed before MPI_Finalize", "MPI already finalized");
   }
   // No rank unmaps while another may still write into its memory.
-  std::string error;
+  m.destroying(m.local_rank).store(1, std::memory_order_release);
+  std::exception_ptr error;
   try {
     m.barrier(m.comm, "ep::Buffer::destroy");
   } catch (const std::exception& e) {
-    error = e.what();
+    // The ranks of this node that have not come are known; those of other nodes are not.
+    std::vector<int> silent;
+    for (int p = 0; p < m.ranks_per_node; ++p)
+      if (m.destroying(p).load(std::memory_order_acquire) == 0) silent.push_back(m.global(p));
+    error = silent.empty() ? std::make_exception_ptr(Error("ep::Buffer::destroy", "communicator",
+                                                           "every rank to call destroy", e.what()))
+                           : std::make_exception_ptr(TimeoutError("ep::Buffer::destroy", silent, m.timeout));
   }
   // Low-latency messages still in flight (to or from a masked or failed rank): MPI may still
   // use their memory, so it is handed to MPI for good (kept allocated).
@@ -346,10 +353,12 @@ void Buffer::destroy() {
   m.peers.clear();
   m.own_ctrl.reset();
   m.heap.reset();
-  MPI_Comm_free(&m.rail_comm);
-  MPI_Comm_free(&m.node_comm);
-  MPI_Comm_free(&m.comm);
-  if (!error.empty()) throw Error("ep::Buffer::destroy", "communicator", "every rank to call destroy", error);
+  if (!m.collective_pending) {  // (else kept: see mpi_wait)
+    MPI_Comm_free(&m.rail_comm);
+    MPI_Comm_free(&m.node_comm);
+    MPI_Comm_free(&m.comm);
+  }
+  if (error) std::rethrow_exception(error);
 }
 
 int Buffer::get_rank() const { return impl_->rank; }

@@ -409,6 +409,9 @@ struct Buffer::Impl {
     return std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(peers[static_cast<size_t>(p)].ctrl->data() + off));
   }
   std::atomic_ref<uint64_t> ready(int p) const { return flag_at(p, 0); }
+  // Set once rank p has come to destroy the buffer (so that a timeout there names the
+  // ranks of this node that have not).
+  std::atomic_ref<uint64_t> destroying(int p) const { return flag_at(p, 8); }
   // The flag rank s sets in rank p's control segment.
   std::atomic_ref<uint64_t> done(int p, int s) const { return flag_at(p, 64 + 64 * static_cast<size_t>(s)); }
   char* pub(int p) const { return peers[static_cast<size_t>(p)].ctrl->data() + pub_at + (op & 1) * pub_bytes; }
@@ -602,24 +605,39 @@ struct Buffer::Impl {
     return provided >= MPI_THREAD_MULTIPLE;
   }
 
-  // MPI waits never block forever either.
-  void mpi_wait(MPI_Request& req, const char* what) const {
+  // MPI waits never block forever either. A nonblocking collective cannot be cancelled or
+  // freed: on a timeout it stays pending, so the memory it writes (`keep`) stays allocated
+  // and the communicators stay alive (destroy() does not free them: OpenMPI progresses a
+  // pending collective of a freed communicator into a segfault), and the buffer is broken.
+  void mpi_wait(MPI_Request& req, const char* what, std::shared_ptr<void> keep = nullptr) {
     const auto start = std::chrono::steady_clock::now();
     for (;;) {
       int flag = 0;
       MPI_Test(&req, &flag, MPI_STATUS_IGNORE);
       if (flag) return;
       const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      if (waited > timeout)
+      if (waited > timeout) {
+        collective_pending = true;
+        if (keep) keep_until_exit(std::move(keep));
+        broken.store(true);
         fail(what, "communicator", "every rank to join within " + seconds_str(timeout) + " s",
              "a rank that did not join (MPI request still pending)");
+      }
       ::usleep(100);
     }
   }
-  void barrier(MPI_Comm c, const char* what) const {
+  void barrier(MPI_Comm c, const char* what) {
     MPI_Request req;
     MPI_Ibarrier(c, &req);
     mpi_wait(req, what);
+  }
+  bool collective_pending = false;  // a timed-out collective MPI may still progress
+  // Memory such a collective may still write: kept for the process's life (past the buffer's).
+  static void keep_until_exit(std::shared_ptr<void> memory) {
+    static std::mutex mu;
+    static std::vector<std::shared_ptr<void>> kept;
+    std::lock_guard lock(mu);
+    kept.push_back(std::move(memory));
   }
 };
 

@@ -228,10 +228,12 @@ DispatchResult dispatch_internode(Buffer::Impl& m, const DispatchArgs& a) {
 
   DispatchResult out;
   if (!plan.cached && a.num_worst_tokens == 0) {
-    std::vector<int64_t> per_expert(plan.per_expert.begin(), plan.per_expert.end());
+    // (on the heap: after a timeout MPI may still write it, mpi_wait keeps it)
+    auto sums = std::make_shared<std::vector<int64_t>>(plan.per_expert.begin(), plan.per_expert.end());
+    const std::vector<int64_t>& per_expert = *sums;
     MPI_Request req;
-    MPI_Iallreduce(MPI_IN_PLACE, per_expert.data(), static_cast<int>(per_expert.size()), MPI_INT64_T, MPI_SUM, m.comm, &req);
-    m.mpi_wait(req, fn);
+    MPI_Iallreduce(MPI_IN_PLACE, sums->data(), static_cast<int>(sums->size()), MPI_INT64_T, MPI_SUM, m.comm, &req);
+    m.mpi_wait(req, fn, sums);
     const int64_t per_rank = plan.experts / R;
     for (int64_t j = 0; j < per_rank; ++j) {
       const int64_t n = per_expert[static_cast<size_t>(me * per_rank + j)];
