@@ -1163,6 +1163,80 @@ TEST(EpLowLatency, CombineBeforeADeferredHookRaises) {
   expect_combined(comb.combined_x, expected_combined(w, Fmt::bf16, Expert::scaled, no_mask()), w, "combined_x");
 }
 
+// Rank 0 refuses its own combine (topk_weights of the wrong shape) while rank 1 has yet to
+// receive the dispatch of the same buffer half (its hook, called after rank 0 refused). Rank
+// 1's receive must succeed: the refused combine's mark is the combine's own. It had shared
+// the dispatch's error word, and rank 1 raised "rank 0 rejected its arguments" for a valid
+// dispatch (deterministic where hooks defer their receive: across nodes without
+// MPI_THREAD_MULTIPLE; elsewhere the receive may have finished already). The other ranks'
+// combines raise naming rank 0, and then a dispatch and combine are right everywhere.
+TEST(EpLowLatency, RefusedCombineLeavesPeersPendingDispatchAlone) {
+  const int me = my_rank(), R = num_ranks();
+  if (R < 2) GTEST_SKIP() << "needs two ranks";
+  const LLWorld w = make_ll_world(ll_spec(256, 2, 2 * R, 16, mixed_tokens(16), 580, Data::rank_encoded));
+  BufferOptions o;
+  o.timeout_s = 10;
+  BufferGuard buf = make_ll_buffer(w.hint(), o);
+  const Completion c = me == 1 ? Completion::hook : Completion::sync;
+  LowLatencyDispatchResult r;
+  if (!collective_step("dispatch (rank 1 with a hook)", [&] { r = buf->low_latency_dispatch(dispatch_args(w, Fmt::bf16, c)); })) return;
+  if (me == 0) {
+    Tensor y = Tensor::zeros({w.El, w.slots(), w.H}, DType::bf16);
+    LowLatencyCombineArgs bad = combine_args(w, r, y, Completion::sync);
+    bad.topk_weights = Tensor::zeros({w.T(me), w.k + 1}, DType::f32);
+    EXPECT_TRUE(expect_ep_error_on([&] { (void)buf->low_latency_combine(bad); }, "topk_weights"));
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (me == 1) {
+    try {
+      r.hook();
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "rank 1's receive of a valid dispatch failed: " << e.what();
+    }
+  }
+  if (me != 0) {
+    EXPECT_TRUE(expect_ep_error_where([&] { (void)combine_private(*buf, w, r, Fmt::bf16, Expert::scaled, Completion::sync); },
+                                      [](const moekit::Error& e) {
+                                        EXPECT_NE(std::string(e.what()).find("rank 0"), std::string::npos) << e.what();
+                                      }));
+  }
+  LowLatencyDispatchResult again;
+  LowLatencyCombineResult comb;
+  if (!collective_step("dispatch and combine again", [&] {
+        again = run_dispatch(*buf, dispatch_args(w, Fmt::bf16, Completion::sync), Completion::sync);
+        comb = combine_private(*buf, w, again, Fmt::bf16, Expert::scaled, Completion::sync);
+      }))
+    return;
+  check_ll_dispatch(again, w, Fmt::bf16, no_mask());
+  expect_combined(comb.combined_x, expected_combined(w, Fmt::bf16, Expert::scaled, no_mask()), w, "combined_x");
+}
+
+// A zero-copy combine buffer taken before another combine is where that combine staged its
+// rows: combining from it is refused on "x" (it had given wrong sums without an error).
+TEST(EpLowLatency, ZeroCopyBufferTakenBeforeAnotherCombineRaises) {
+  const LLWorld w = make_ll_world(ll_spec(256, 2, 2 * num_ranks(), 16, mixed_tokens(16), 590, Data::rank_encoded));
+  BufferOptions o;
+  o.timeout_s = 10;
+  BufferGuard buf = make_ll_buffer(w.hint(), o);
+  LowLatencyDispatchResult r1, r2;
+  if (!collective_step("two dispatches", [&] {
+        r1 = run_dispatch(*buf, dispatch_args(w, Fmt::bf16, Completion::sync), Completion::sync);
+        r2 = run_dispatch(*buf, dispatch_args(w, Fmt::bf16, Completion::sync), Completion::sync);
+      }))
+    return;
+  const Tensor stale = buf->get_next_low_latency_combine_buffer(r2.handle);
+  if (!collective_step("combine r1 from private memory", [&] { (void)combine_private(*buf, w, r1, Fmt::bf16, Expert::scaled, Completion::sync); }))
+    return;
+  write_expert_outputs(stale, r2, w, Fmt::bf16, Expert::scaled);
+  LowLatencyCombineArgs a = combine_args(w, r2, stale, Completion::sync);
+  a.zero_copy = true;
+  EXPECT_TRUE(all_ranks(expect_ep_error_on([&] { (void)buf->low_latency_combine(a); }, "x")));
+  LowLatencyCombineResult comb;
+  if (!collective_step("zero-copy combine from a fresh buffer", [&] { comb = combine_zero_copy(*buf, w, r2, Fmt::bf16, Expert::scaled, Completion::sync); }))
+    return;
+  expect_combined(comb.combined_x, expected_combined(w, Fmt::bf16, Expert::scaled, no_mask()), w, "combined_x");
+}
+
 // Two live results of different hidden sizes on one buffer sized for both (docs/EP.md: a
 // result stays valid until the second low-latency dispatch after it; nothing there restricts
 // the shapes of the calls in between). A: H = 128, B: H = 7168, every rank at the token limit.

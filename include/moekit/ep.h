@@ -171,7 +171,8 @@ struct LowLatencyDispatchArgs {
 struct LowLatencyDispatchResult {
   // Rows of expert e: the first recv_count[e] of recv_x[e] are valid, ordered by source rank
   // then source token. These tensors live in one of the buffer's two alternating low-latency
-  // halves: they stay valid until the second low-latency dispatch after this one.
+  // halves: they stay valid until the second low-latency dispatch after this one (a call
+  // that raised counts too: it took its half, as its peers' calls did).
   Tensor recv_x;         // bf16 or e4m3 [local_E, max * R, H]
   Tensor recv_x_scales;  // f32 [local_E, max * R, H / 128], or i32 [..., H / 512] with use_ue8m0
   Tensor recv_count;     // i32 [local_E]

@@ -110,8 +110,13 @@ enum LLMeta : int {
   kLLError,  // 1 when the rank rejected its arguments for this call
   kLLCall,   // messages across nodes: the sender's call number
   kLLRows,   // messages across nodes: the rows carried
+  // kLLError of a combine in shared metadata. A half's metadata serves a dispatch and a
+  // combine, and peers may still be receiving that dispatch when a combine on the half is
+  // refused: its mark must not make them fail. (Messages carry kLLError: their tags differ.)
+  kLLCombineError,
+  kLLCombineHidden,  // kLLHidden of a combine (in its messages too), for the same reason
 };
-static_assert(static_cast<int>(kLLRows) < static_cast<int>(kMetaCount));
+static_assert(static_cast<int>(kLLCombineHidden) < static_cast<int>(kMetaCount));
 
 constexpr int kTagLLDispatch = 201, kTagLLCombine = 202;
 // Bytes of peers' rows a low-latency receive reads through cma per block of tokens (docs/EP.md).
@@ -241,9 +246,11 @@ const uint64_t* source_meta(const Buffer::Impl& m, const Inbox& in, int g, int h
 }
 
 // After wait_sources: a rank that rejected its arguments makes every rank raise.
-void check_source_errors(const Buffer::Impl& m, const char* fn, const Inbox& in, int half) {
+void check_source_errors(const Buffer::Impl& m, const char* fn, const Inbox& in, int half, bool dispatch) {
+  const int word = dispatch ? kLLError : kLLCombineError;
+  auto error_of = [&](int g) { return m.on_node(g) ? m.ll_meta(m.local_of(g), half)[word] : in.meta(g)[kLLError]; };
   for (int g = 0; g < m.num_ranks; ++g)
-    if (!m.masked[static_cast<size_t>(g)] && g != m.rank && source_meta(m, in, g, half)[kLLError] != 0)
+    if (!m.masked[static_cast<size_t>(g)] && g != m.rank && error_of(g) != 0)
       fail(fn, "rank " + std::to_string(g), "valid arguments on every rank",
            "rank " + std::to_string(g) + " rejected its arguments (see its error)");
 }
@@ -426,7 +433,7 @@ void post_combine_messages(Buffer::Impl& m, const LLHandleState& st, const Tenso
     auto msg = m.message_buffer(layout.bytes);
     auto* head = reinterpret_cast<uint64_t*>(msg->data());
     std::fill_n(head, kMetaCount, 0);
-    head[kLLHidden] = static_cast<uint64_t>(L.hidden);
+    head[kLLCombineHidden] = static_cast<uint64_t>(L.hidden);
     head[kLLCall] = call;
     head[kLLRows] = static_cast<uint64_t>(rows);
     head[kLLDispatchCall] = st.call;
@@ -515,7 +522,7 @@ void ll_abandon(Buffer::Impl& m, uint64_t call, bool dispatch) {
     m.wait_unmasked(fn, [&](int p) {
       return (dispatch ? m.ll_gathered(lr, p) : m.ll_read(lr, p)).load(std::memory_order_acquire) >= call - 2;
     });
-  m.ll_meta(lr, half)[kLLError] = 1;
+  m.ll_meta(lr, half)[dispatch ? kLLError : kLLCombineError] = 1;
   for (int p = 0; p < m.ranks_per_node; ++p) {
     if (dispatch) {
       m.ll_gathered(p, lr).store(call, std::memory_order_release);
@@ -663,7 +670,7 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch_checked(const LowLatencyDi
     Inbox in(m, kTagLLDispatch, call);
     try {
       wait_sources(m, fn, [&](int p) { return m.ll_sent(p).load(std::memory_order_acquire) >= call; }, in);
-      check_source_errors(m, fn, in, half);
+      check_source_errors(m, fn, in, half, true);
       const uint64_t* mine = m.ll_meta(lr, half);
       for (int g = 0; g < R; ++g) {
         if (m.masked[static_cast<size_t>(g)]) continue;
@@ -809,6 +816,14 @@ LowLatencyCombineResult Buffer::low_latency_combine_checked(const LowLatencyComb
   // (Refused before this call is counted: then the peers learn of it at once.)
   if (a.zero_copy && !seg->contains(a.x.data(), span) && heap_seg < 0)
     fail(fn, "x", "get_next_low_latency_combine_buffer(handle) with zero_copy", "a tensor outside the buffer");
+  // In the low-latency segment, a zero-copy x must be this combine's buffer: one taken before
+  // another combine is where that combine staged its rows (its contents are gone).
+  if (a.zero_copy && seg->contains(a.x.data(), span)) {
+    const char* next = seg->data() + static_cast<size_t>((m.ll_combines + 1) & 1) * m.ll_half_stride() + combine_x_at(m, L);
+    if (a.x.data() != next)
+      fail(fn, "x", "get_next_low_latency_combine_buffer(handle) taken since the last low-latency combine",
+           "another place in the buffer (a combine buffer taken before another combine?)");
+  }
   check_half_fits(m, fn, "handle", m.ll_dispatch_bytes[(m.ll_combines + 1) & 1], L.combine_bytes());
 
   const uint64_t call = ++m.ll_combines;
@@ -864,9 +879,9 @@ LowLatencyCombineResult Buffer::low_latency_combine_checked(const LowLatencyComb
       meta[kLLXStrideR] = row_bytes;
     }
   }
-  meta[kLLHidden] = static_cast<uint64_t>(H);
+  meta[kLLCombineHidden] = static_cast<uint64_t>(H);
   meta[kLLDispatchCall] = state->call;
-  meta[kLLError] = 0;
+  meta[kLLCombineError] = 0;
   detail::stream_fence();
   m.ll_offered(lr).store(call, std::memory_order_release);
   // x read in place by this node's owners (peers_read_x) must outlive their reads, also when
@@ -901,7 +916,7 @@ LowLatencyCombineResult Buffer::low_latency_combine_checked(const LowLatencyComb
     };
     try {
       wait_sources(m, fn, [&](int p) { return m.ll_offered(p).load(std::memory_order_acquire) >= call; }, in);
-      check_source_errors(m, fn, in, half);
+      check_source_errors(m, fn, in, half, false);
       // Rows are found by this rank's layout in x shaped by each expert rank's handle: every
       // rank must combine the same dispatch's result (one of two live ones could be mixed).
       for (int d = 0; d < R; ++d)
@@ -920,8 +935,8 @@ LowLatencyCombineResult Buffer::low_latency_combine_checked(const LowLatencyComb
       for (int d = 0; d < R; ++d) {
         if (m.masked[static_cast<size_t>(d)]) continue;
         const uint64_t* dm = source_meta(m, in, d, half);
-        if (dm[kLLHidden] != static_cast<uint64_t>(H))
-          fail(fn, "x", "the same hidden size on every rank", std::to_string(dm[kLLHidden]) + " on rank " + std::to_string(d));
+        if (dm[kLLCombineHidden] != static_cast<uint64_t>(H))
+          fail(fn, "x", "the same hidden size on every rank", std::to_string(dm[kLLCombineHidden]) + " on rank " + std::to_string(d));
         if (!m.on_node(d)) {
           base[static_cast<size_t>(d)] = in.data(d) + LLMessage(0, 0, 0, 0, 0).x;
           continue;
@@ -968,8 +983,10 @@ LowLatencyCombineResult Buffer::low_latency_combine_checked(const LowLatencyComb
             const int64_t begin = range >> 32;
             // A result this old may have been overwritten (more than two live): refuse, never read out of bounds.
             if (index >= (range & 0xffffffff) || begin + index >= L.slots)
-              fail(fn, "handle", "a low-latency result at most two dispatches old",
-                   "rank " + std::to_string(d) + "'s layout for expert " + std::to_string(e) + " no longer matches");
+              fail(fn, "handle",
+                   "a low-latency result at most two dispatches old, laid out alike on every rank (ranks that mask "
+                   "different ranks do not receive the same tokens)",
+                   "rank " + std::to_string(d) + "'s layout for expert " + std::to_string(e) + " does not match");
             const size_t at = static_cast<size_t>(el) * stride_e[static_cast<size_t>(d)] +
                               static_cast<size_t>(begin + index) * stride_r[static_cast<size_t>(d)];
             if (remote[static_cast<size_t>(d)] != 0) pending.push_back({d, remote[static_cast<size_t>(d)] + at, &rows[static_cast<size_t>(n)]});
