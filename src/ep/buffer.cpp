@@ -121,7 +121,7 @@ int64_t Config::get_nvl_buffer_size_hint(int64_t hidden_bytes, int num_ranks) co
   if (num_ranks <= 0 || num_ranks > (1 << 20)) fail(fn, "num_ranks", "in [1, 2^20]", std::to_string(num_ranks));
   if (num_max_nvl_chunked_recv_tokens <= 0)
     fail(fn, "num_max_nvl_chunked_recv_tokens", "> 0", std::to_string(num_max_nvl_chunked_recv_tokens));
-  // (2^40 + 128 bytes x 2^20 ranks x 2^31 tokens stays far below 2^127 but not 2^63: checked)
+  // (in long double: the product of the bounds above overflows int64)
   const long double bytes = static_cast<long double>(hidden_bytes + 128) * num_ranks * num_max_nvl_chunked_recv_tokens;
   if (bytes > 0x1p60L)
     fail(fn, "num_max_nvl_chunked_recv_tokens", "a size whose buffer is under 2^60 bytes",
@@ -316,44 +316,41 @@ void Buffer::destroy() {
   }
   m.available = false;
   m.live->store(false);
+  // After MPI_Finalize any MPI call aborts the process: then nothing below calls MPI (no
+  // synchronising, no MPI object freed) and this rank's mappings simply go.
   int finalized = 0;
   MPI_Finalized(&finalized);
-  if (finalized) {
-    // Too late to synchronise or to free any MPI object (each would abort the process): this
-    // rank's mappings go (its peers keep theirs), messages MPI may have held stay allocated.
-    for (auto& f : m.ll_in_flight) (void)f.data.release();
-    m.ll_in_flight.clear();
-    m.peers.clear();
-    m.own_ctrl.reset();
-    m.heap.reset();
-    fail("ep::Buffer::destroy", "MPI", "a buffer destroyed before MPI_Finalize", "MPI already finalized");
-  }
-  // No rank unmaps while another may still write into its memory.
-  m.destroying(m.local_rank).store(1, std::memory_order_release);
   std::exception_ptr error;
-  try {
-    m.barrier(m.comm, "ep::Buffer::destroy");
-  } catch (const std::exception& e) {
-    // The ranks of this node that have not come are known; those of other nodes are not.
-    std::vector<int> silent;
-    for (int p = 0; p < m.ranks_per_node; ++p)
-      if (m.destroying(p).load(std::memory_order_acquire) == 0) silent.push_back(m.global(p));
-    error = silent.empty() ? std::make_exception_ptr(Error("ep::Buffer::destroy", "communicator",
-                                                           "every rank to call destroy", e.what()))
-                           : std::make_exception_ptr(TimeoutError("ep::Buffer::destroy", silent, m.timeout));
+  if (finalized) {
+    error = std::make_exception_ptr(Error("ep::Buffer::destroy", "MPI", "a buffer destroyed before MPI_Finalize",
+                                          "MPI already finalized"));
+  } else {
+    // No rank unmaps while another may still write into its memory.
+    m.destroying(m.local_rank).store(1, std::memory_order_release);
+    try {
+      m.barrier(m.comm, "ep::Buffer::destroy");
+    } catch (const std::exception& e) {
+      // The ranks of this node that have not come are known; those of other nodes are not.
+      std::vector<int> silent;
+      for (int p = 0; p < m.ranks_per_node; ++p)
+        if (m.destroying(p).load(std::memory_order_acquire) == 0) silent.push_back(m.global(p));
+      error = silent.empty() ? std::make_exception_ptr(Error("ep::Buffer::destroy", "communicator",
+                                                             "every rank to call destroy", e.what()))
+                             : std::make_exception_ptr(TimeoutError("ep::Buffer::destroy", silent, m.timeout));
+    }
+    m.sweep_in_flight();
   }
   // Low-latency messages still in flight (to or from a masked or failed rank): MPI may still
   // use their memory, so it is handed to MPI for good (kept allocated).
-  m.sweep_in_flight();
   for (auto& f : m.ll_in_flight) {
-    MPI_Request_free(&f.req);
+    if (!finalized) MPI_Request_free(&f.req);
     (void)f.data.release();
   }
   m.ll_in_flight.clear();
   m.peers.clear();
   m.own_ctrl.reset();
   m.heap.reset();
-  if (!m.collective_pending) {  // (else kept: see mpi_wait)
+  if (!finalized && !m.collective_pending) {  // (else kept: see mpi_wait)
     MPI_Comm_free(&m.rail_comm);
     MPI_Comm_free(&m.node_comm);
     MPI_Comm_free(&m.comm);

@@ -918,12 +918,17 @@ LowLatencyCombineResult Buffer::low_latency_combine_checked(const LowLatencyComb
       wait_sources(m, fn, [&](int p) { return m.ll_offered(p).load(std::memory_order_acquire) >= call; }, in);
       check_source_errors(m, fn, in, half, false);
       // Rows are found by this rank's layout in x shaped by each expert rank's handle: every
-      // rank must combine the same dispatch's result (one of two live ones could be mixed).
-      for (int d = 0; d < R; ++d)
-        if (const uint64_t theirs = m.masked[static_cast<size_t>(d)] ? state->call : source_meta(m, in, d, half)[kLLDispatchCall];
-            theirs != state->call)
+      // rank must combine the same dispatch's result (one of two live ones could be mixed),
+      // checked before anything is read by that layout.
+      for (int d = 0; d < R; ++d) {
+        if (m.masked[static_cast<size_t>(d)]) continue;
+        const uint64_t* dm = source_meta(m, in, d, half);
+        if (dm[kLLDispatchCall] != state->call)
           fail(fn, "handle", "the same dispatch's result on every rank (dispatch " + std::to_string(state->call) + " here)",
-               "dispatch " + std::to_string(theirs) + "'s on rank " + std::to_string(d));
+               "dispatch " + std::to_string(dm[kLLDispatchCall]) + "'s on rank " + std::to_string(d));
+        if (dm[kLLCombineHidden] != static_cast<uint64_t>(H))
+          fail(fn, "x", "the same hidden size on every rank", std::to_string(dm[kLLCombineHidden]) + " on rank " + std::to_string(d));
+      }
       // Where each expert rank's rows are: same node, its offer (and, below, where this rank's
       // rows begin in each expert, from its layout_range); other node, its message, which holds
       // this rank's rows expert by expert.
@@ -935,8 +940,6 @@ LowLatencyCombineResult Buffer::low_latency_combine_checked(const LowLatencyComb
       for (int d = 0; d < R; ++d) {
         if (m.masked[static_cast<size_t>(d)]) continue;
         const uint64_t* dm = source_meta(m, in, d, half);
-        if (dm[kLLCombineHidden] != static_cast<uint64_t>(H))
-          fail(fn, "x", "the same hidden size on every rank", std::to_string(dm[kLLCombineHidden]) + " on rank " + std::to_string(d));
         if (!m.on_node(d)) {
           base[static_cast<size_t>(d)] = in.data(d) + LLMessage(0, 0, 0, 0, 0).x;
           continue;
