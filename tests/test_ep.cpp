@@ -1497,6 +1497,10 @@ TEST(EpErrors, SizeHintAndOptionsRefuseBadValues) {
   BufferOptions o;
   o.ranks_per_node = -3;
   EXPECT_TRUE(all_ranks(expect_ep_error_on([&] { Buffer b(MPI_COMM_WORLD, 1 << 20, 0, o); }, "options.ranks_per_node")));
+  {  // the default timeout from the environment: finite too
+    ScopedEnv inf("MOEKIT_EP_TIMEOUT_S", "inf");
+    EXPECT_TRUE(all_ranks(expect_ep_error_on([&] { Buffer b(MPI_COMM_WORLD, 1 << 20, 0); }, "MOEKIT_EP_TIMEOUT_S")));
+  }
 }
 
 TEST(EpErrors, BadInputRaisesOnEveryRankThenBufferStillWorks) {
