@@ -437,8 +437,10 @@ void quantize_e4m3_tables(const uint16_t* x, uint8_t* q, int64_t n, const float*
 // rounds to b, which is even), and q >= b iff |x| / sf >= b - ulp(b)/2; those bounds times
 // sf are exact in f64 (at most 26 + 24 significant bits), and the first bf16 at or above
 // (strictly above) that product is the group's threshold T_b. Since q is monotone in |x|, a
-// code is the number of thresholds the |x| pattern reaches: seven 16-bit compares for 32
-// lanes, no division and no widening. The thresholds of 16 groups take 14 f64 multiplies.
+// code is the number of thresholds the |x| pattern reaches, found by a binary search over
+// the group's seven 16-bit thresholds held in one register: three compares for 32 lanes, the
+// second and third threshold picked per lane by vpermw (2026-12-04; seven compares before,
+// 1.5x slower on Zen 4). No division and no widening.
 struct E2m1Bound {
   double value;
   bool strict;
@@ -447,34 +449,50 @@ constexpr E2m1Bound kE2m1Bounds[7] = {{0.25 + 0x1p-26, true}, {0.75 - 0x1p-25, f
                                       {1.75 - 0x1p-24, false}, {2.5 + 0x1p-23, true},  {3.5 - 0x1p-23, false},
                                       {5.0 + 0x1p-22, true}};
 constexpr int64_t kE2m1Chunk = 64;  // groups whose thresholds are made at a time
+constexpr int kE2m1Words = 8;       // words per group in the thresholds (T_0..T_6, one unused)
 
-// thresholds[b * kE2m1Chunk + g]: T_b of group g < groups <= kE2m1Chunk; every sf positive normal.
+// thresholds[g * kE2m1Words + b]: T_b of group g < groups, every sf a table_scale (its bounds
+// are normal bf16). bf16 values are f64 values with 7 mantissa bits, so the first bf16 at
+// or above a bound is the bound's f64 pattern rounded up at bit 45, re-biased from 1023 to
+// 127 and shifted down (as the AVX2 target does; 2026-12-04, where this went through the
+// nearest f32 and a rounding add). The strict bounds' next-double-up step cannot change a
+// bf16 threshold (docs/FORMATS.md), but it costs nothing here.
 void e2m1_thresholds(const float* sf, int64_t groups, uint16_t* thresholds) {
-  for (int64_t g0 = 0; g0 < groups; g0 += 8) {
-    const __mmask8 live = static_cast<__mmask8>(groups - g0 >= 8 ? 0xff : (1u << (groups - g0)) - 1);
-    const __m512d s = _mm512_cvtps_pd(_mm256_maskz_loadu_ps(live, sf + g0));
-    for (int b = 0; b < 7; ++b) {
-      __m512d bound = _mm512_mul_pd(s, _mm512_set1_pd(kE2m1Bounds[b].value));
-      if (kE2m1Bounds[b].strict)  // the next double up: bf16 values above the bound reach it
-        bound = _mm512_castsi512_pd(_mm512_add_epi64(_mm512_castpd_si512(bound), _mm512_set1_epi64(1)));
-      const __m256 up = _mm512_cvt_roundpd_ps(bound, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC);  // first f32 >= bound
-      const __m256i bf16_up = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(up), _mm256_set1_epi32(0xffff)), 16);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(thresholds + b * kE2m1Chunk + g0), _mm256_cvtepi32_epi16(bf16_up));
-    }
+  constexpr int64_t kLow = (int64_t{1} << 45) - 1, kRebias = int64_t{1023 - 127} << 52;
+  auto up = [&](int b) { return (kE2m1Bounds[b].strict ? kLow + 1 : kLow) - kRebias; };
+  const __m512d bounds = _mm512_setr_pd(kE2m1Bounds[0].value, kE2m1Bounds[1].value, kE2m1Bounds[2].value, kE2m1Bounds[3].value,
+                                        kE2m1Bounds[4].value, kE2m1Bounds[5].value, kE2m1Bounds[6].value, 1.0);
+  const __m512i round_up = _mm512_setr_epi64(up(0), up(1), up(2), up(3), up(4), up(5), up(6), kLow - kRebias);
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m512d bound = _mm512_mul_pd(_mm512_set1_pd(static_cast<double>(sf[g])), bounds);
+    const __m512i bf16 = _mm512_srli_epi64(_mm512_add_epi64(_mm512_castpd_si512(bound), round_up), 45);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(thresholds + g * kE2m1Words), _mm512_cvtepi64_epi16(bf16));
   }
 }
 
-// Nibbles of 32 lanes: the count of thresholds |x| reaches, and the sign bit (bit 3).
-inline __m128i e2m1_codes(__m512i v, const uint16_t* t) {  // t[b * kE2m1Chunk]: T_b
-  const __m512i magnitude = _mm512_and_si512(v, _mm512_set1_epi16(0x7fff));
-  __m512i code = _mm512_setzero_si512();
-  for (int b = 0; b < 7; ++b)
-    code = _mm512_mask_sub_epi16(code, _mm512_cmpge_epu16_mask(magnitude, _mm512_set1_epi16(static_cast<int16_t>(t[b * kE2m1Chunk]))), code,
-                                 _mm512_set1_epi16(-1));
-  code = _mm512_ternarylogic_epi32(code, _mm512_srli_epi16(v, 12), _mm512_set1_epi16(0x8), 0xf8);  // | sign
-  // dword d holds codes 2d (low word) and 2d + 1 (high word): byte = low | high << 4
-  return _mm512_cvtepi32_epi8(_mm512_or_si512(code, _mm512_srli_epi32(code, 12)));
+// code | x's sign in bit 3, for 32 words.
+inline __m512i with_sign(__m512i code, __m512i v) {
+  return _mm512_ternarylogic_epi32(code, _mm512_srli_epi16(v, 12), _mm512_set1_epi16(0x8), 0xf8);
 }
+
+// Word codes (sign in bit 3) of 32 bf16 lanes under one group's thresholds: t holds T_0..T_6
+// in words 0-6, t3 is T_3 in every word. code >= 4 iff |x| reaches T_3; then T_1 or T_5 adds
+// 2, then T_c (c = 0, 2, 4 or 6) adds 1 (the thresholds increase with b).
+inline __m512i e2m1_codes_by_thresholds(__m512i v, __m512i t, __m512i t3) {
+  const __m512i magnitude = _mm512_and_si512(v, _mm512_set1_epi16(0x7fff));
+  const __mmask32 upper = _mm512_cmpge_epu16_mask(magnitude, t3);
+  const __m512i half = _mm512_maskz_mov_epi16(upper, _mm512_set1_epi16(4));
+  const __m512i middle = _mm512_mask_mov_epi16(_mm512_set1_epi16(1), upper, _mm512_set1_epi16(5));  // half + 1
+  const __mmask32 quarter_up = _mm512_cmpge_epu16_mask(magnitude, _mm512_permutexvar_epi16(middle, t));
+  const __m512i quarter = _mm512_mask_add_epi16(half, quarter_up, half, _mm512_set1_epi16(2));
+  const __mmask32 last_up = _mm512_cmpge_epu16_mask(magnitude, _mm512_permutexvar_epi16(quarter, t));
+  return with_sign(_mm512_mask_add_epi16(quarter, last_up, quarter, _mm512_set1_epi16(1)), v);
+}
+
+// Bytes of 32 word codes, two per byte (element 2d in the low nibble of byte d): dword d
+// holds codes 2d (low word) and 2d + 1 (high word), so its low byte is low | high << 4.
+// (vpmaddwd for the pair, or vpermb for the gather, measured slower on Zen 4.)
+inline __m128i pack_nibbles(__m512i code) { return _mm512_cvtepi32_epi8(_mm512_or_si512(code, _mm512_srli_epi32(code, 12))); }
 
 QuantizeKernel g_e2m1_bf16_general = nullptr;  // for rows the thresholds do not take, and tails
 
@@ -532,65 +550,93 @@ bool e2m1_run_offsets(const float* sf, int64_t groups, int32_t* offset) {
   return true;
 }
 
-// Nibbles of 32 lanes of bf16 v with the group's offset (e2m1_run_offsets), as e2m1_codes.
-inline __m128i e2m1_codes_by_run(const E2m1RunTable& table, __m512i v, __m512i offset) {
+// Word codes of 32 lanes of bf16 v with the group's offset (e2m1_run_offsets), as
+// e2m1_codes_by_thresholds.
+inline __m512i e2m1_codes_by_run(const E2m1RunTable& table, __m512i v, __m512i offset) {
   const __m512i q = _mm512_max_epi16(_mm512_subs_epi16(_mm512_and_si512(v, _mm512_set1_epi16(0x7fff)), offset),
                                      _mm512_setzero_si512());
   const __mmask32 past_first = _mm512_test_epi16_mask(q, _mm512_set1_epi16(31));
   const __m512i run = _mm512_srli_epi16(q, 5);  // (at most 19, as q <= 6: bit 5 is free)
   const __m512i index = _mm512_mask_add_epi16(run, past_first, run, _mm512_set1_epi16(32));
   __m512i code = _mm512_permutex2var_epi16(table.first, index, table.rest);
-  code = _mm512_ternarylogic_epi32(code, _mm512_srli_epi16(v, 12), _mm512_set1_epi16(0x8), 0xf8);  // | sign
-  return _mm512_cvtepi32_epi8(_mm512_or_si512(code, _mm512_srli_epi32(code, 12)));
+  return with_sign(code, v);
+}
+
+// Codes of x[0, count) (count a multiple of 32) of the groups from the chunk's first, gran
+// elements each (a multiple of 32): by the run table (Offsets) or by thresholds. Stream:
+// non-temporal stores (q 16-byte aligned).
+template <bool Stream, bool ByRun>
+void e2m1_span(const uint16_t* x, uint8_t* q, int64_t count, int64_t gran,
+                                                     const int32_t* offsets, const uint16_t* thresholds, const uint16_t* next) {
+  static const E2m1RunTable run_table;
+  const E2m1RunTable table = run_table;  // (a local copy: the compiler keeps it in registers)
+  auto codes = [&](int64_t g, __m512i v) {
+    if constexpr (ByRun) {
+      return e2m1_codes_by_run(table, v, _mm512_set1_epi32(offsets[g]));
+    } else {
+      const uint16_t* t = thresholds + g * kE2m1Words;
+      return e2m1_codes_by_thresholds(v, _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t))),
+                                      _mm512_set1_epi16(static_cast<int16_t>(t[3])));
+    }
+  };
+  auto put = [&](int64_t i, int64_t g) {
+    if (next) __builtin_prefetch(next + i, 0, 2);
+    const __m128i bytes = pack_nibbles(codes(g, _mm512_loadu_si512(x + i)));
+    if constexpr (Stream) _mm_stream_si128(reinterpret_cast<__m128i*>(q + i / 2), bytes);
+    else _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i / 2), bytes);
+  };
+  if (gran == 32) {  // (one vector a group: a flat loop; per group, its bookkeeping cost 5-10 %)
+    for (int64_t i = 0; i < count; i += 32) put(i, i / 32);
+    return;
+  }
+  for (int64_t i = 0, g = 0; i < count; ++g)
+    for (const int64_t end = min64(count, i + gran); i < end; i += 32) put(i, g);
+}
+
+using E2m1Span = void (*)(const uint16_t*, uint8_t*, int64_t, int64_t, const int32_t*, const uint16_t*, const uint16_t*);
+template <bool Stream>
+E2m1Span e2m1_span_for(bool by_run) {
+  return by_run ? &e2m1_span<Stream, true> : &e2m1_span<Stream, false>;
 }
 
 void quantize_e2m1_bf16(const void* xv, uint8_t* q, int64_t n, const float* sf, int64_t gran, bool stream,
                         const void* prefetch, bool scales_from_amax, Reciprocals inv) {
   const int64_t groups = ceil_div(n, gran);
-  bool take = scales_from_amax && gran % 32 == 0 && n >= 64;
-  // Positive normal scales (the bound holds), 16 at a time.
+  bool take = scales_from_amax && gran % 32 == 0 && n >= 64, table_scales = true;
+  // Positive normal scales (the bound holds), and whether all are table_scales (the
+  // thresholds' range), 16 at a time.
   for (int64_t g = 0; take && g < groups; g += 16) {
     const __mmask16 live = first_lanes16(groups - g);
-    const __m512i biased = _mm512_sub_epi32(_mm512_maskz_loadu_epi32(live, sf + g), _mm512_set1_epi32(0x00800000));
+    const __m512i bits = _mm512_maskz_loadu_epi32(live, sf + g);
+    const __m512i biased = _mm512_sub_epi32(bits, _mm512_set1_epi32(0x00800000));
     take = _mm512_mask_cmpge_epu32_mask(live, biased, _mm512_set1_epi32(0x7f000000)) == 0;
+    const __m512i field = _mm512_sub_epi32(_mm512_srli_epi32(bits, 23), _mm512_set1_epi32(127 - 100));
+    table_scales &= _mm512_mask_cmpge_epu32_mask(live, field, _mm512_set1_epi32(200)) == 0;
   }
   if (!take) return g_e2m1_bf16_general(xv, q, n, sf, gran, stream, prefetch, scales_from_amax, inv);
   const auto* x = static_cast<const uint16_t*>(xv);
   const auto* next = static_cast<const uint16_t*>(prefetch);
-  const auto store = [&](int64_t i, __m128i codes) {
-    if (stream && (reinterpret_cast<uintptr_t>(q + i / 2) & 15) == 0) _mm_stream_si128(reinterpret_cast<__m128i*>(q + i / 2), codes);
-    else _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i / 2), codes);
-  };
-  alignas(64) uint16_t thresholds[7 * kE2m1Chunk + 8];  // (+8: the last 8-group store of a bound)
+  const bool streamed = stream && (reinterpret_cast<uintptr_t>(q) & 15) == 0;
+  alignas(64) uint16_t thresholds[kE2m1Chunk * kE2m1Words];
   alignas(64) int32_t offsets[kE2m1Chunk];
-  static const E2m1RunTable run_table;
-  const E2m1RunTable table = run_table;  // (a local copy: the compiler keeps it in registers)
+  const int64_t whole = n / 32 * 32;  // (the last partial vector goes to the general kernel)
   int64_t i = 0;
-  for (int64_t g0 = 0; g0 < groups; g0 += kE2m1Chunk) {
+  for (int64_t g0 = 0; g0 < groups && i < whole; g0 += kE2m1Chunk) {
     const int64_t chunk = min64(kE2m1Chunk, groups - g0);
-    // Power-of-two scales (the ue8m0 recipes) by the run table, others by thresholds.
+    const int64_t end = min64(whole, (g0 + chunk) * gran);
+    // Power-of-two scales (the ue8m0 recipes) by the run table, other table scales by
+    // thresholds, anything else (beyond 2^±100) by the general kernel.
     const bool by_run = e2m1_run_offsets(sf + g0, chunk, offsets);
-    if (!by_run) e2m1_thresholds(sf + g0, chunk, thresholds);
-    if (gran == 32) {  // (one vector a group: a flat loop; per group, its bookkeeping cost 10 %)
-      for (const int64_t end = min64(n, (g0 + chunk) * 32); i + 32 <= end; i += 32) {
-        if (next) __builtin_prefetch(next + i, 0, 2);
-        const __m512i v = _mm512_loadu_si512(x + i);
-        const int64_t g = i / 32 - g0;
-        store(i, by_run ? e2m1_codes_by_run(table, v, _mm512_set1_epi32(offsets[g])) : e2m1_codes(v, thresholds + g));
-      }
-      continue;
+    if (!by_run && !table_scales) {
+      g_e2m1_bf16_general(x + i, q + i / 2, end - i, sf + g0, gran, stream, nullptr, scales_from_amax, inv);
+    } else {
+      if (!by_run) e2m1_thresholds(sf + g0, chunk, thresholds);
+      const E2m1Span span = streamed ? e2m1_span_for<true>(by_run) : e2m1_span_for<false>(by_run);
+      span(x + i, q + i / 2, end - i, gran, offsets, thresholds, next ? next + i : nullptr);
     }
-    for (int64_t g = g0; g < g0 + chunk; ++g) {
-      const uint16_t* t = thresholds + (g - g0);
-      const __m512i offset = by_run ? _mm512_set1_epi32(offsets[g - g0]) : _mm512_setzero_si512();
-      for (const int64_t end = min64(n, (g + 1) * gran); i + 32 <= end; i += 32) {
-        if (next) __builtin_prefetch(next + i, 0, 2);
-        const __m512i v = _mm512_loadu_si512(x + i);
-        store(i, by_run ? e2m1_codes_by_run(table, v, offset) : e2m1_codes(v, t));
-      }
-    }
+    i = end;
   }
-  if (stream) _mm_sfence();
+  if (streamed) _mm_sfence();
   if (i < n) g_e2m1_bf16_general(x + i, q + i / 2, n - i, sf + i / gran, gran, false, nullptr, scales_from_amax, inv);
 }
 
