@@ -239,7 +239,8 @@ class Buffer {
   // This rank's shared receive memory (the first segment) as u8 [num_nvl_bytes].
   Tensor get_local_buffer_tensor() const;
   // Collective; later calls raise Error. The destructor calls it when still needed (but
-  // cannot be collective then if other ranks already left, so call it explicitly).
+  // cannot be collective then if other ranks already left, so call it explicitly). A rank
+  // that does not come within the timeout is named by TimeoutError on every other rank.
   void destroy();
 
   static Config get_dispatch_config(int num_ranks);

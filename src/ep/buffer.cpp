@@ -11,6 +11,8 @@
 //             2. expert ranks copy their rows back, signal done; owner reduces in f32
 //             3. owner signals it has finished reading (x offered in place may be released)
 // Flags only grow (op * 8 + phase), so a slow reader can never see a stale value as new.
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <exception>
 #include <limits>
@@ -97,6 +99,64 @@ bool probe_cross_memory_attach(Buffer::Impl& m, bool wanted) {
   int all_ok = 0;
   MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, m.comm);  // (the peers' words live until here)
   return all_ok != 0;
+}
+
+// destroy()'s barrier, which also tells who is late. Each rank, as it comes, has set its
+// flag in its control segment (read by the ranks of its node) and sends an empty message to
+// every rank of the other nodes, whose messages it receives. Once every flag of this node is
+// set and every message has come, every rank has come, as after a barrier. On a timeout the
+// ranks missing are returned: those of this node and, since 2026-12-04, those of other nodes
+// (an MPI barrier could not tell them). Their messages may still come, and this rank's sends
+// may still wait for their receives: those requests go to MPI with their buffers kept, and
+// the communicators are kept (collective_pending), as mpi_wait does.
+std::vector<int> await_arrivals(Buffer::Impl& m, const char* fn) {
+  constexpr int kTagArrived = 301;  // (101-103 internode, 201-202 low latency)
+  struct Messages {
+    std::vector<MPI_Request> recv, send;
+    std::vector<char> in;
+    char out = 1;
+  };
+  const int node = m.rank / m.ranks_per_node;
+  std::vector<int> others;
+  for (int g = 0; g < m.num_ranks; ++g)
+    if (g / m.ranks_per_node != node) others.push_back(g);
+  auto msgs = std::make_shared<Messages>();
+  msgs->recv.assign(others.size(), MPI_REQUEST_NULL);
+  msgs->send.assign(others.size(), MPI_REQUEST_NULL);
+  msgs->in.assign(others.size(), 0);
+  // (receives first: a peer whose message came has posted the receive of ours)
+  for (size_t i = 0; i < others.size(); ++i) MPI_Irecv(&msgs->in[i], 1, MPI_BYTE, others[i], kTagArrived, m.comm, &msgs->recv[i]);
+  for (size_t i = 0; i < others.size(); ++i) MPI_Isend(&msgs->out, 1, MPI_BYTE, others[i], kTagArrived, m.comm, &msgs->send[i]);
+  const auto start = std::chrono::steady_clock::now();
+  for (;;) {
+    bool all = true;
+    for (MPI_Request& r : msgs->recv) {
+      int flag = 1;
+      if (r != MPI_REQUEST_NULL) MPI_Test(&r, &flag, MPI_STATUS_IGNORE);
+      all = all && flag;
+    }
+    for (int p = 0; all && p < m.ranks_per_node; ++p) all = m.destroying(p).load(std::memory_order_acquire) != 0;
+    if (all) break;
+    if (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > m.timeout) {
+      std::vector<int> late;
+      for (int p = 0; p < m.ranks_per_node; ++p)
+        if (m.destroying(p).load(std::memory_order_acquire) == 0) late.push_back(m.global(p));
+      for (size_t i = 0; i < others.size(); ++i)
+        if (msgs->recv[i] != MPI_REQUEST_NULL) late.push_back(others[i]);
+      std::sort(late.begin(), late.end());
+      for (MPI_Request& r : msgs->recv)
+        if (r != MPI_REQUEST_NULL) MPI_Request_free(&r);
+      for (MPI_Request& r : msgs->send)
+        if (r != MPI_REQUEST_NULL) MPI_Request_free(&r);
+      Buffer::Impl::keep_until_exit(msgs);
+      m.collective_pending = true;
+      m.broken.store(true);
+      return late;
+    }
+    ::usleep(100);
+  }
+  for (MPI_Request& r : msgs->send) m.mpi_wait(r, fn, msgs);
+  return {};
 }
 }  // namespace
 
@@ -328,15 +388,10 @@ void Buffer::destroy() {
     // No rank unmaps while another may still write into its memory.
     m.destroying(m.local_rank).store(1, std::memory_order_release);
     try {
-      m.barrier(m.comm, "ep::Buffer::destroy");
-    } catch (const std::exception& e) {
-      // The ranks of this node that have not come are known; those of other nodes are not.
-      std::vector<int> silent;
-      for (int p = 0; p < m.ranks_per_node; ++p)
-        if (m.destroying(p).load(std::memory_order_acquire) == 0) silent.push_back(m.global(p));
-      error = silent.empty() ? std::make_exception_ptr(Error("ep::Buffer::destroy", "communicator",
-                                                             "every rank to call destroy", e.what()))
-                             : std::make_exception_ptr(TimeoutError("ep::Buffer::destroy", silent, m.timeout));
+      const std::vector<int> late = await_arrivals(m, "ep::Buffer::destroy");
+      if (!late.empty()) error = std::make_exception_ptr(TimeoutError("ep::Buffer::destroy", late, m.timeout));
+    } catch (const std::exception& e) {  // (a send that never completed after every rank came)
+      error = std::current_exception();
     }
     m.sweep_in_flight();
   }
