@@ -141,14 +141,19 @@ std::vector<int> await_arrivals(Buffer::Impl& m, const char* fn) {
       std::vector<int> late;
       for (int p = 0; p < m.ranks_per_node; ++p)
         if (m.destroying(p).load(std::memory_order_acquire) == 0) late.push_back(m.global(p));
-      for (size_t i = 0; i < others.size(); ++i)
-        if (msgs->recv[i] != MPI_REQUEST_NULL) late.push_back(others[i]);
+      for (size_t i = 0; i < others.size(); ++i) {
+        int flag = 1;
+        if (msgs->recv[i] != MPI_REQUEST_NULL) MPI_Test(&msgs->recv[i], &flag, MPI_STATUS_IGNORE);
+        if (flag) continue;  // (came since the last look)
+        late.push_back(others[i]);
+        MPI_Cancel(&msgs->recv[i]);  // (as exchange() does: a cancelled receive completes at once)
+        MPI_Wait(&msgs->recv[i], MPI_STATUS_IGNORE);
+      }
+      if (late.empty()) break;  // (everyone came just now)
       std::sort(late.begin(), late.end());
-      for (MPI_Request& r : msgs->recv)
-        if (r != MPI_REQUEST_NULL) MPI_Request_free(&r);
       for (MPI_Request& r : msgs->send)
         if (r != MPI_REQUEST_NULL) MPI_Request_free(&r);
-      Buffer::Impl::keep_until_exit(msgs);
+      Buffer::Impl::keep_until_exit(msgs);  // (a late rank's send may still complete into it)
       m.collective_pending = true;
       m.broken.store(true);
       return late;
@@ -390,7 +395,7 @@ void Buffer::destroy() {
     try {
       const std::vector<int> late = await_arrivals(m, "ep::Buffer::destroy");
       if (!late.empty()) error = std::make_exception_ptr(TimeoutError("ep::Buffer::destroy", late, m.timeout));
-    } catch (const std::exception& e) {  // (a send that never completed after every rank came)
+    } catch (const std::exception&) {  // (a send that never completed after every rank came)
       error = std::current_exception();
     }
     m.sweep_in_flight();

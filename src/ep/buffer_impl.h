@@ -626,11 +626,6 @@ struct Buffer::Impl {
       ::usleep(100);
     }
   }
-  void barrier(MPI_Comm c, const char* what) {
-    MPI_Request req;
-    MPI_Ibarrier(c, &req);
-    mpi_wait(req, what);
-  }
   bool collective_pending = false;  // a timed-out collective MPI may still progress
   // Memory such a collective may still write: kept for the process's life (past the buffer's).
   static void keep_until_exit(std::shared_ptr<void> memory) {
