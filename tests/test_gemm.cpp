@@ -301,13 +301,18 @@ TEST(Gemm, AllCombinationsMatchOracleAndAgreeAcrossIsas) {
 // and above until 2026-12-04 (weights times 2^8 against A; now A's group is scaled down
 // first). AMX at M >= 8 only: its one- and two-row calls share that dot path, but its
 // three- and four-row tiles have not run with such scales (no AMX host since).
+// Also recipe (1, 1, 32) with K = 232 (scale groups of 32, two per 64-code block on the
+// bf16-pair dot path, and a K tail).
 TEST(Gemm, ExtremeScalesMatchOracleOnEveryIsa) {
+  for (const bool fine : {false, true})
   for (const bool on_a : {true, false})
     for (const int64_t m : {int64_t{1}, int64_t{3}, int64_t{8}, int64_t{40}}) {
-      SCOPED_TRACE(std::string(on_a ? "scale 2^121 on A" : "scale 2^121 on B") + ", M = " + std::to_string(m));
-      const int64_t n = 24, k = 256;
-      Quantized a{Tensor::empty({m, k}, DType::e4m3), Tensor::empty({m, k / 128}, DType::f32)};
-      Quantized b{Tensor::empty({n, k}, DType::e4m3), Tensor::empty({1, k / 128}, DType::f32)};
+      SCOPED_TRACE(std::string(on_a ? "scale 2^121 on A" : "scale 2^121 on B") + ", M = " + std::to_string(m) +
+                   (fine ? ", recipe (1, 1, 32)" : ", recipe (1, 128, 128)"));
+      const int64_t n = 24, k = fine ? 232 : 256, gran_k = fine ? 32 : 128, gran_n = fine ? 1 : 128;
+      const int64_t groups = (k + gran_k - 1) / gran_k;
+      Quantized a{Tensor::empty({m, k}, DType::e4m3), Tensor::empty({m, groups}, DType::f32)};
+      Quantized b{Tensor::empty({n, k}, DType::e4m3), Tensor::empty({(n + gran_n - 1) / gran_n, groups}, DType::f32)};
       std::mt19937 rng(77);
       for (Tensor* t : {&a.values, &b.values})
         for (int64_t i = 0; i < t->numel(); ++i) {
@@ -317,14 +322,16 @@ TEST(Gemm, ExtremeScalesMatchOracleOnEveryIsa) {
         }
       for (int64_t i = 0; i < a.sf.numel(); ++i) a.sf.data_ptr<float>()[i] = on_a ? 0x1p121f : 0x1p-40f;
       for (int64_t i = 0; i < b.sf.numel(); ++i) b.sf.data_ptr<float>()[i] = on_a ? 0x1p-40f : 0x1p121f;
-      const std::vector<double> want = ref::gemm(ref::Layout::nt, {a.values, a.sf, 1, 128}, {b.values, b.sf, 128, 128});
+      const std::vector<double> want = ref::gemm(ref::Layout::nt, {a.values, a.sf, 1, gran_k}, {b.values, b.sf, gran_n, gran_k});
+      GemmOptions options;
+      options.recipe = Recipe{1, gran_n, gran_k};
       Tensor fma_bits;
       for (Isa isa : {Isa::scalar, Isa::avx2, Isa::avx512, Isa::avx512_bf16, Isa::amx}) {
         if (!isa_supported(isa) || (isa == Isa::amx && m < 8)) continue;
         SCOPED_TRACE(isa_name(isa));
         ScopedIsa scoped(isa);
         Tensor d = Tensor::empty({m, n}, DType::f32);
-        fp8_gemm_nt(a, b, d);
+        fp8_gemm_nt(a, b, d, Tensor(), options);
         const std::vector<double> got = ref::to_f64(d);
         bool finite = true;
         for (double x : got) finite = finite && std::isfinite(x);
