@@ -116,10 +116,9 @@ std::vector<int> await_arrivals(Buffer::Impl& m, const char* fn) {
     std::vector<char> in;
     char out = 1;
   };
-  const int node = m.rank / m.ranks_per_node;
   std::vector<int> others;
   for (int g = 0; g < m.num_ranks; ++g)
-    if (g / m.ranks_per_node != node) others.push_back(g);
+    if (!m.on_node(g)) others.push_back(g);
   auto msgs = std::make_shared<Messages>();
   msgs->recv.assign(others.size(), MPI_REQUEST_NULL);
   msgs->send.assign(others.size(), MPI_REQUEST_NULL);

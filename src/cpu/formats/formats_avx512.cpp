@@ -563,11 +563,11 @@ inline __m512i e2m1_codes_by_run(const E2m1RunTable& table, __m512i v, __m512i o
 }
 
 // Codes of x[0, count) (count a multiple of 32) of the groups from the chunk's first, gran
-// elements each (a multiple of 32): by the run table (Offsets) or by thresholds. Stream:
+// elements each (a multiple of 32): by the run table (ByRun: offsets) or by thresholds. Stream:
 // non-temporal stores (q 16-byte aligned).
 template <bool Stream, bool ByRun>
-void e2m1_span(const uint16_t* x, uint8_t* q, int64_t count, int64_t gran,
-                                                     const int32_t* offsets, const uint16_t* thresholds, const uint16_t* next) {
+void e2m1_span(const uint16_t* x, uint8_t* q, int64_t count, int64_t gran, const int32_t* offsets, const uint16_t* thresholds,
+               const uint16_t* next) {
   static const E2m1RunTable run_table;
   const E2m1RunTable table = run_table;  // (a local copy: the compiler keeps it in registers)
   auto codes = [&](int64_t g, __m512i v) {

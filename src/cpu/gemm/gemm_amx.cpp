@@ -15,9 +15,9 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <cmath>
 #include <array>
 #include <bit>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
