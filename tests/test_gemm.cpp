@@ -1025,9 +1025,14 @@ TEST(GemmBf16Pairs, TakesWhatItCanPromoteAndLeavesTheRestToAvx512) {
 // the oracle's values where the weights stay finite; K = 800 ends in a partial chunk, N = 70
 // in a partial strip. Past the edges (2^126: an exponent add would turn inf into NaN), and
 // with NaN codes among the FP8 weights, only the bits are compared.
-TEST(GemmAmx, StreamedWeightsScalesAtTheFoldingEdges) {
-  if (!isa_supported(Isa::amx)) GTEST_SKIP() << "no AMX-BF16 (or not granted) on this CPU";
-  ScopedIsa amx(Isa::amx);
+// On avx512_bf16 the same decoders feed vdpbf16ps (stream_dp.inc: 5 to 16 rows of A, and up
+// to 32 against FP4 weights; 256-bit products up to 8 rows), and must give that target's
+// blocked bits likewise.
+TEST(GemmBf16Pairs, StreamedWeightsScalesAtTheFoldingEdges) {
+  if (bf16_pair_isas().empty()) GTEST_SKIP() << "no AVX512_BF16 or AMX-BF16 on this CPU";
+  for (const Isa pair_isa : bf16_pair_isas()) {
+  ScopedIsa scoped(pair_isa);
+  SCOPED_TRACE(isa_name(pair_isa));
   const int64_t n = 70, k = 800;
   // Positive operands: weights scaled past the finite range are +inf, and every product and
   // sum with them is +inf, so a NaN where the blocked path has inf shows in the bits.
@@ -1042,11 +1047,13 @@ TEST(GemmAmx, StreamedWeightsScalesAtTheFoldingEdges) {
   };
   int oracle_checks = 0;
   // (One row of A: FP4 weights stream through the tiles too; FP8 ones take dot products.
-  // 40 rows: the medium-M kernel, whose weight rows take the same decoders.)
-  for (const int64_t m : {8, 1, 40})
+  // 40 rows: the medium-M kernel, whose weight rows take the same decoders. avx512_bf16: 5
+  // and 8 rows 256-bit products, 16 rows 512-bit ones, 20 rows FP4 both activation vectors.)
+  for (const int64_t m : {8, 1, 40, 5, 16, 20})
     for (const Config cf : {Config{true, 32, 120, 121, 124}, Config{true, 32, 120, 121, 126}, Config{false, 32, 119, 119, 119},
                             Config{false, 128, 119, 120, 120}, Config{false, 128, 119, 120, 126}}) {
-      if (m == 1 && !cf.fp4) continue;
+      // (avx512_bf16 gives one row the dot path's own order: GemmBf16Pairs.FewRows*.)
+      if (m == 1 && (!cf.fp4 || pair_isa == Isa::avx512_bf16)) continue;
       SCOPED_TRACE(std::string(cf.fp4 ? "fp4" : "fp8") + ", gran " + std::to_string(cf.gran) + ", largest scale 2^" +
                    std::to_string(cf.largest) + ", m " + std::to_string(m));
       const int64_t gran = cf.gran, groups = (k + gran - 1) / gran;
@@ -1089,6 +1096,7 @@ TEST(GemmAmx, StreamedWeightsScalesAtTheFoldingEdges) {
       EXPECT_LE(ref::calc_diff(ref::to_f64(streamed), want), 1e-5);
     }
   EXPECT_GE(oracle_checks, 3);  // FP4 up to 2^124 (m 8 and 1) and FP8 up to 2^119 stay finite
+  }
 }
 
 // 33 to 256 rows of A against K-major weights swap the tiles' operands (medium_m): weight
@@ -1122,9 +1130,13 @@ TEST(GemmAmx, MediumMOneOperandPromoted) {
 // values; 8 and 20 rows of A take the two tile shapes, 40 the medium-M kernel (weight rows
 // decoded by the same row decoders). A NaN code in a row of normal codes
 // sends that row to the tables too.
-TEST(GemmAmx, StreamedE4m3WeightsEveryCode) {
-  if (!isa_supported(Isa::amx)) GTEST_SKIP() << "no AMX-BF16 (or not granted) on this CPU";
-  ScopedIsa amx(Isa::amx);
+// On avx512_bf16, 8 and 16 rows of A take the vdpbf16ps streaming path (256- and 512-bit
+// products), 20 and 40 the blocked one (the packed call's own).
+TEST(GemmBf16Pairs, StreamedE4m3WeightsEveryCode) {
+  if (bf16_pair_isas().empty()) GTEST_SKIP() << "no AVX512_BF16 or AMX-BF16 on this CPU";
+  for (const Isa pair_isa : bf16_pair_isas()) {
+  ScopedIsa scoped(pair_isa);
+  SCOPED_TRACE(isa_name(pair_isa));
   const int64_t n = 64, k = 512;
   struct Config {
     bool ue8m0;
@@ -1132,7 +1144,7 @@ TEST(GemmAmx, StreamedE4m3WeightsEveryCode) {
   };
   for (const bool with_nan : {false, true})
     for (const Config cf : {Config{false, 128, 128}, Config{true, 128, 128}, Config{true, 1, 32}, Config{false, 1, 32}})
-      for (const int64_t m : {8, 20, 40}) {
+      for (const int64_t m : {8, 20, 40, 16}) {
         SCOPED_TRACE(std::string(cf.ue8m0 ? "ue8m0" : "f32") + " scales, gran " + std::to_string(cf.gran_mn) + " x " +
                      std::to_string(cf.gran_k) + ", m " + std::to_string(m) + (with_nan ? ", NaN codes" : ""));
         const Quantized qa = per_token_cast_to_fp8(random_bf16(m, k, 91), cf.ue8m0, cf.gran_k);
@@ -1167,6 +1179,7 @@ TEST(GemmAmx, StreamedE4m3WeightsEveryCode) {
             ref::gemm(Layout::nt, {qa.values, qa.sf, 1, cf.gran_k}, {qb.values, qb.sf, cf.gran_mn, cf.gran_k});
         EXPECT_LE(ref::calc_diff(ref::to_f64(streamed), want), 1e-5);
       }
+  }
 }
 
 // One to four rows of A against e4m3 weights take bf16 dot products with the weights decoded

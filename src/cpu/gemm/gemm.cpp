@@ -453,7 +453,8 @@ void run_gemm(const char* fn, GemmOperand a, GemmOperand b, const Output& out, c
   // (B groups must be whole lanes: the per-group sums of the FMA small-M path are 8 lanes
   // wide; the AMX one takes what its prepare() took.)
   const bool small_m = m <= kern.small_m_rows && b.k_major && k > 0 &&
-                       (kern.small_m_any_a || (a.k_major && (!b.sf || b.gran_k % 8 == 0)));
+                       (kern.small_m_any_a || (a.k_major && (!b.sf || b.gran_k % 8 == 0))) &&
+                       (!kern.small_m_takes || kern.small_m_takes(a, b));
   if (!pre.data && small_m) {
     const double bytes = static_cast<double>(n) * static_cast<double>(k);
     run_small_m(kern, a, b, out, bytes < 1e6 ? 1 : std::max(1, num_threads()));

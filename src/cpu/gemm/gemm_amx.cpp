@@ -19,6 +19,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <optional>
@@ -1239,6 +1240,18 @@ void take_sums(const Stream& st, bool odd, float* sums) {
 }
 #undef MOEKIT_TAKE_TILE_PAIR
 
+// The C tiles as stream_strip's products (StreamDp, stream_dp.inc, is the vdpbf16ps one).
+struct StreamTiles {
+  static constexpr int64_t kSlice = 1;  // steps per call while the next chunk is decoded by rows
+  static constexpr bool kBf16ByRows = false;  // plain bf16 weight rows loaded where they are
+  const Stream& st;
+  void zero() const { zero_c(); }
+  void steps(bool odd, const uint8_t* w, int64_t stride, const uint8_t* x, int64_t s0, int64_t s1) const {
+    run_steps_streamed(st, odd, w, stride, x, s0, s1);
+  }
+  void take(bool odd, float* sums) const { take_sums(st, odd, sums); }
+};
+
 // acc[n][m] = fma(part[n][m], sa[m] · sb[n], acc[n][m]) for every row of the strip (and m < 16 unless
 // wide): the blocked path's promotion, transposed.
 template <bool kWide, bool kUniform>
@@ -1262,6 +1275,13 @@ void promote_strip(const float* part, const float* sa, const float* sb, bool wid
   return uniform ? promote_strip_as<false, true>(part, sa, sb, acc) : promote_strip_as<false, false>(part, sa, sb, acc);
 }
 
+// `rows` rows of kChunk bf16 (`row_bytes` apart) into rows of kChunkWords words.
+void copy_rows(const uint8_t* src, int64_t row_bytes, int rows, uint32_t* out) {
+  for (int r = 0; r < rows; ++r)
+    for (int i = 0; i < kChunk * 2; i += 64)
+      _mm512_store_si512(reinterpret_cast<uint8_t*>(out + r * kChunkWords) + i, _mm512_loadu_si512(src + r * row_bytes + i));
+}
+
 // One strip's weights for the tiles: rows [j0, j0 + rows) of B (rows at most the strip),
 // chunk by chunk. Whole chunks of e4m3 (raw, or with folded power-of-two scales) and of
 // folded e2m1 can also be decoded a few rows at a time (rowwise, decode_rows).
@@ -1275,8 +1295,8 @@ class StripSource {
 
   // next_rows: how many rows the strip after this one has (0: none), whose first chunk
   // this strip's last chunk requests.
-  StripSource(const GemmOperand& b, int64_t j0, int rows, int next_rows)
-      : b_(b), j0_(j0), rows_(rows), next_rows_(next_rows), full_(rows == kMr),
+  StripSource(const GemmOperand& b, int64_t j0, int rows, int next_rows, bool bf16_by_rows)
+      : b_(b), j0_(j0), rows_(rows), next_rows_(next_rows), full_(rows == kMr), bf16_by_rows_(bf16_by_rows && plain_bf16(b)),
         row_bytes_(b.ld * static_cast<int64_t>(element_size(b.dtype))),
         first_row_(row_ptr(b, j0)),
         raw_e4m3_(b.dtype == DType::e4m3 && (!b.sf || b.promote) && cpu_features().avx512vbmi),
@@ -1295,7 +1315,7 @@ class StripSource {
   const uint8_t* chunk(int64_t k0, uint32_t* words, int64_t& stride) const {
     const int64_t len = std::min(kChunk, b_.k - k0);
     stride = kChunkWords * 4;
-    if (plain_bf16(b_) && full_ && len % kStep == 0) {
+    if (plain_bf16(b_) && full_ && !bf16_by_rows_ && len % kStep == 0) {
       stride = row_bytes_;
       return first_row_ + k0 * 2;
     }
@@ -1311,7 +1331,7 @@ class StripSource {
   // that keeps the values bf16 normals (then their shifts are in `shifts`).
   bool rowwise(int64_t k0, Shifts& shifts) const {
     if (!full_ || b_.k - k0 < kChunk) return false;
-    if (raw_e4m3_) return true;
+    if (raw_e4m3_ || bf16_by_rows_) return true;
     // e4m3 values run from 2^-9 to 1.75 · 2^8: scaled by 2^-100 .. 2^119 they stay bf16
     // normals; e2m1 values (0.5 to 6) up to 2^120.
     if (folded_e4m3_) return chunk_shifts(b_, sf_rows_, rows_, k0, -100, 119, shifts.values);
@@ -1325,12 +1345,13 @@ class StripSource {
   // one thread: the first load of each row was 60 % of the decoder's time; the next strip's
   // first chunk, unrequested, had been read on demand: docs/GEMM.md, session 21).
   void decode_rows(int64_t k0, int r0, int r1, const Shifts& shifts, uint32_t* words) const {
-    const int per_byte = b_.dtype == DType::e2m1x2 ? 2 : 1;  // (e4m3: one value per byte)
-    const auto bytes = [&](int64_t values) { return (values + per_byte - 1) / per_byte; };
+    const int bits = b_.dtype == DType::e2m1x2 ? 4 : b_.dtype == DType::e4m3 ? 8 : 16;  // per value
+    const auto bytes = [&](int64_t values) { return (values * bits + 7) / 8; };
     const int64_t after = b_.k - k0 - kChunk;  // values of the rows after this chunk
-    if (after > 0) request_rows(first_row_ + (k0 + kChunk) / per_byte, r0, r1, bytes(std::min(kChunk, after)));
+    if (after > 0) request_rows(first_row_ + bytes(k0 + kChunk), r0, r1, bytes(std::min(kChunk, after)));
     if (after < kChunk) request_rows(first_row_ + kMr * row_bytes_, r0, std::min(r1, next_rows_), bytes(std::min(kChunk, b_.k)));
     uint32_t* out = words + r0 * kChunkWords;
+    if (bf16_by_rows_) return copy_rows(first_row_ + r0 * row_bytes_ + k0 * 2, row_bytes_, r1 - r0, out);
     if (folded_e2m1_) return e2m1_rows_to_bf16(b_, j0_ + r0, r1 - r0, k0, shifts.values + r0 * kGroups, out);
     // Weights whose blocks mostly hold a zero, subnormal or NaN code (uniformly random codes,
     // say: 1 in 16 has e = 0) pay for the affine path's check and take the tables anyway.
@@ -1362,6 +1383,7 @@ class StripSource {
   int64_t j0_;
   int rows_, next_rows_;
   bool full_;
+  bool bf16_by_rows_;  // plain bf16 rows copied into the chunk buffer by rows (decode_rows), not read in place
   int64_t row_bytes_;
   const uint8_t* first_row_;
   bool raw_e4m3_, folded_e4m3_, folded_e2m1_;
@@ -1404,7 +1426,9 @@ void write_transposed(const float* acc, int cols, int rows, float* out, int64_t 
 // overlap the next decode. The last chunk's steps likewise decode the first chunk of the
 // next strip (`next`, null if none), so that short K (one or two chunks a strip) overlaps as
 // long K does; `cursor` carries that chunk from strip to strip.
-void stream_strip(const Stream& st, const StripSource& source, const StripSource* next, StripCursor& cursor, float* acc) {
+template <class Steps>
+void stream_strip(const Stream& st, Steps& products, const StripSource& source, const StripSource* next, StripCursor& cursor,
+                  float* acc) {
   const GemmOperand& b = st.b;
   const int rows = source.rows();
   const int64_t k = b.k, steps = step_count(k);
@@ -1419,7 +1443,7 @@ void stream_strip(const Stream& st, const StripSource& source, const StripSource
   // Every row's weight scale the same (no weight scales, or a full strip of one row of scales).
   const bool uniform_sb = !b.promote || (one_scale_row && rows == kMr);
   if (st.promoted) std::memset(acc, 0, sizeof(float) * kMr * kNr);
-  zero_c();
+  products.zero();
   int64_t group = 0;  // promotion groups finished
   int64_t stride = kChunkWords * 4, next_stride = 0;
   int current = cursor.buffer;
@@ -1447,14 +1471,15 @@ void stream_strip(const Stream& st, const StripSource& source, const StripSource
       const int64_t group_end = (group + 1) * st.group_steps;  // (a step of K; no division per step)
       int64_t end = st.promoted ? std::min(n, group_end - first) : n;
       if (interleave) {
-        end = s + 1;
-        const int r0 = std::min(decode_rows, static_cast<int>(s) * per_step), r1 = std::min(decode_rows, r0 + per_step);
+        end = std::min(end, s + Steps::kSlice);
+        const int r0 = std::min(decode_rows, static_cast<int>(s) * per_step);
+        const int r1 = std::min(decode_rows, static_cast<int>(end) * per_step);
         if (r0 < r1) decoder->decode_rows(next_k0, r0, r1, next_shifts, next_words);
       }
-      run_steps_streamed(st, group & 1, w, stride, x, s, end);
+      products.steps(group & 1, w, stride, x, s, end);
       s = end;
       if (st.promoted && (first + s == group_end || first + s == steps)) {
-        take_sums(st, group & 1, part);
+        products.take(group & 1, part);
         if (b.promote) {
           const int64_t g = group * st.group_steps * kStep / b.gran_k;
           if (one_scale_row) std::fill(sb, sb + rows, group_scale(b, sf_rows[0], g));
@@ -1469,12 +1494,15 @@ void stream_strip(const Stream& st, const StripSource& source, const StripSource
     if (last) cursor = {current, interleave};
     w = following, stride = next_stride;
   }
-  if (!st.promoted) take_sums(st, false, acc);
+  if (!st.promoted) products.take(false, acc);
 }
 
 void stream_small_m_tiles(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t n1, float* out, int64_t ld_out);
+template <class Steps>
+void stream_rows(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t n1, float* out, int64_t ld_out);
 
 #include "dot_row_amx.inc"
+#include "stream_dp.inc"
 
 // out[m, j - n0] = Σ_k a[m, k] · b[j, k] for m < a.mn (at most kStreamM), j in [n0, n1); B
 // K-major. A is packed once per call.
@@ -1494,6 +1522,13 @@ void stream_small_m_tiles(const GemmOperand& a, const GemmOperand& b, int64_t n0
   if (a.mn == 1 && a.k_major && b.dtype != DType::e2m1x2 && (!b.sf || b.gran_k % 8 == 0))
     return gemm_kernels_avx512().small_m(a, b, n0, n1, out, ld_out);
   configure();
+  stream_rows<StreamTiles>(a, b, n0, n1, out, ld_out);
+}
+
+// stream_small_m's body for either kind of products (Steps: StreamTiles or StreamDp, built
+// from the Stream): A packed once, then strip after strip of weight rows.
+template <class Steps>
+void stream_rows(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t n1, float* out, int64_t ld_out) {
   const int64_t k = a.k, blocks = std::max<int64_t>(1, (k + kKc - 1) / kKc), steps = step_count(k);
   // Steps between promotions: the finer group of a promoted operand, as in promoted_tile.
   int64_t group = steps;
@@ -1528,16 +1563,17 @@ void stream_small_m_tiles(const GemmOperand& a, const GemmOperand& b, int64_t n0
                   kTileBytes);
   }
   const Stream st{a, b, act, sa, shape, promoted, group, narrow_tiles};
+  Steps products{st};
   alignas(64) float acc[kMr * kNr];
   std::optional<StripSource> sources[2];  // this strip's and the next one's
   auto strip_rows = [&](int64_t j0) { return static_cast<int>(std::clamp<int64_t>(n1 - j0, 0, kMr)); };
-  if (n0 < n1) sources[0].emplace(b, n0, strip_rows(n0), strip_rows(n0 + kMr));
+  if (n0 < n1) sources[0].emplace(b, n0, strip_rows(n0), strip_rows(n0 + kMr), Steps::kBf16ByRows);
   StripCursor cursor;
   for (int64_t j0 = n0, i = 0; j0 < n1; j0 += kMr, i ^= 1) {
     const int rows = strip_rows(j0);
     StripSource* next = nullptr;
-    if (j0 + kMr < n1) next = &sources[i ^ 1].emplace(b, j0 + kMr, strip_rows(j0 + kMr), strip_rows(j0 + 2 * kMr));
-    stream_strip(st, *sources[i], next, cursor, acc);
+    if (j0 + kMr < n1) next = &sources[i ^ 1].emplace(b, j0 + kMr, strip_rows(j0 + kMr), strip_rows(j0 + 2 * kMr), Steps::kBf16ByRows);
+    stream_strip(st, products, *sources[i], next, cursor, acc);
     write_transposed(acc, static_cast<int>(a.mn), rows, out + (j0 - n0), ld_out);
   }
 }
@@ -1634,7 +1670,7 @@ void medium_m(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t n1
         const int rows = static_cast<int>(std::min<int64_t>(kMr, jb1 - j0));
         // (Raw values where the weights are promoted: their scales go to the promotion.)
         RowChunks chunks;
-        const StripSource source(b, j0, rows, 0);
+        const StripSource source(b, j0, rows, 0, false);
         auto* words = reinterpret_cast<uint32_t*>(weights);
         for (int64_t c = 0; c * kChunk < kc; ++c)
           chunks.at[c] = source.chunk(pc + c * kChunk, words + c * kMr * kChunkWords, chunks.stride[c]);
@@ -1754,6 +1790,10 @@ void dot_rows(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t n1
               SmallMFn fallback) {
   if (dot_row_takes(a, b, kMaxDotRowsOfA)) return dot_row_small_m(a, b, n0, n1, out, ld_out);
   fp4_dot_small_m(a, b, n0, n1, out, ld_out, fallback);
+}
+
+void stream_small_m(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t n1, float* out, int64_t ld_out) {
+  stream_rows<StreamDp>(a, b, n0, n1, out, ld_out);
 }
 
 bool prepare(GemmOperand& a, GemmOperand& b, int64_t kc) {

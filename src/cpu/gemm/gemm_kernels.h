@@ -104,6 +104,8 @@ struct GemmKernels {
   int64_t small_m_cols = 256;
   int64_t small_m_align = 4;
   bool small_m_any_a = false;
+  // Whether small_m takes these (prepared) operands of at most small_m_rows rows (null: all).
+  bool (*small_m_takes)(const GemmOperand& a, const GemmOperand& b) = nullptr;
   // Whether tiles accumulating into D in place may start from C (gemm.cpp: tiles_write_d).
   bool tiles_start_from_c = false;
 };
