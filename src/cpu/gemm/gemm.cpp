@@ -15,6 +15,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
@@ -389,8 +390,12 @@ void run_item(const detail::GemmKernels& kern, const GemmOperand& a, const GemmO
 
 // Small M: B streamed once, split by columns into chunks that threads claim as they go
 // (core/work_split.h: memory-bound); each claimed chunk's columns are written by its thread.
+std::atomic<uint64_t> g_small_m_calls{0};
+thread_local uint64_t t_small_m_call = 0;
+
 void run_small_m(const detail::GemmKernels& kern, const GemmOperand& a, const GemmOperand& b, const Output& out,
                  int threads) {
+  const uint64_t call = ++g_small_m_calls;
   const int64_t m = a.mn, n = b.mn;
   const int64_t cols = kern.small_m_cols;  // columns per result block (bounds the f32 buffer)
   const int64_t chunk = ceil_div(detail::claim_chunk(n, threads), kern.small_m_align) * kern.small_m_align;
@@ -398,6 +403,7 @@ void run_small_m(const detail::GemmKernels& kern, const GemmOperand& a, const Ge
 #pragma omp parallel num_threads(threads)
   {
     float* res = thread_buffers().acc.get(static_cast<size_t>(m * cols));
+    t_small_m_call = call;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t n0 = c * chunk, n1 = std::min(n, n0 + chunk);
@@ -407,6 +413,7 @@ void run_small_m(const detail::GemmKernels& kern, const GemmOperand& a, const Ge
         write_block(out, {res, cols, 0}, 0, m, j, nc);
       }
     }
+    t_small_m_call = 0;
   }
 }
 
@@ -658,6 +665,8 @@ void run_packed(const char* fn, const GemmOperand& a, const PackedWeights& b, co
 namespace detail {
 DenseValidationOnly::DenseValidationOnly() : previous_(t_validation_only) { t_validation_only = true; }
 DenseValidationOnly::~DenseValidationOnly() { t_validation_only = previous_; }
+
+uint64_t small_m_call_id() { return t_small_m_call; }
 
 // C is D itself (accumulating in place) or lies apart from it: a C that partly overlaps D
 // would be read after some of it was overwritten (and by other threads).

@@ -1525,6 +1525,30 @@ void stream_small_m_tiles(const GemmOperand& a, const GemmOperand& b, int64_t n0
   stream_rows<StreamTiles>(a, b, n0, n1, out, ld_out);
 }
 
+// What stream_rows derives from A: its panels (one per K block of kKc), its scale per
+// promotion group of `group` steps and row (1 where A is not promoted, 0 past its rows), and
+// for narrow calls (narrow_tiles not null) the first tile of every step, contiguous: out of
+// the panels (where each K block's lie between a header and its scales, two tiles a step),
+// the 1 KiB a step loads (every strip reads them all from L2) then lie 1 KiB apart instead
+// of 2, which took FP8 x 7168 x 16384 on 2 threads from 7.1-7.25 to 6.7-6.8 ms at 16 rows,
+// and from 7.3-7.8 to 6.3 ms at 4. (Copying both tiles of a step for 17 to 32 rows gained
+// nothing and cost the copy: masked decode of 32 experts x 20 rows 2 % slower.)
+void prepare_stream(const GemmOperand& a, int64_t steps, int64_t group, float* act, float* sa, uint8_t* narrow_tiles) {
+  const int64_t k = a.k, groups = (steps + group - 1) / group;
+  for (int64_t pc = 0; pc < k; pc += kKc)
+    pack_panels<true>(a, 0, a.mn, pc, std::min(kKc, k - pc), act + (pc / kKc) * panel_floats(kKc, kMr));
+  for (int m = 0; m < kMr; ++m) {
+    const void* sf_row = a.promote && m < a.mn ? scale_row(a, m) : nullptr;
+    for (int64_t g = 0; g < groups; ++g)
+      sa[g * kMr + m] = !a.promote ? 1.0f : sf_row ? group_scale(a, sf_row, g * group * kStep / a.gran_k) : 0.0f;
+  }
+  if (!narrow_tiles) return;
+  for (int64_t s = 0; s < steps; ++s)
+    std::memcpy(narrow_tiles + s * kTileBytes,
+                panel_steps(act + (s * kStep / kKc) * panel_floats(kKc, kMr)) + (s % (kKc / kStep)) * 2 * kTileBytes,
+                kTileBytes);
+}
+
 // stream_small_m's body for either kind of products (Steps: StreamTiles or StreamDp, built
 // from the Stream): A packed once, then strip after strip of weight rows.
 template <class Steps>
@@ -1535,33 +1559,22 @@ void stream_rows(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t
   if (a.promote) group = std::min(group, a.gran_k / kStep);
   if (b.promote) group = std::min(group, b.gran_k / kStep);
   const int64_t groups = (steps + group - 1) / group;
+  // A's panels, scales and activation tiles are made once per thread and GEMM call (the
+  // driver hands a thread several column chunks: at 16 x 576 x 7168 FP8 on 2 threads,
+  // packing A for each had been a tenth of the call).
+  static thread_local uint64_t prepared_for = 0;
+  const uint64_t call = small_m_call_id();
+  const bool prepared = call != 0 && call == prepared_for;
+  prepared_for = call;
   static thread_local Scratch buffer, scales;  // (panels start with a 64-byte aligned header)
   float* act = buffer.get(static_cast<size_t>(blocks * panel_floats(kKc, kMr)));
-  for (int64_t pc = 0; pc < k; pc += kKc)
-    pack_panels<true>(a, 0, a.mn, pc, std::min(kKc, k - pc), act + (pc / kKc) * panel_floats(kKc, kMr));
   float* sa = scales.get(static_cast<size_t>(groups * kMr));
-  for (int m = 0; m < kMr; ++m) {
-    const void* sf_row = a.promote && m < a.mn ? scale_row(a, m) : nullptr;
-    for (int64_t g = 0; g < groups; ++g)
-      sa[g * kMr + m] = !a.promote ? 1.0f : sf_row ? group_scale(a, sf_row, g * group * kStep / a.gran_k) : 0.0f;
-  }
   const bool promoted = a.promote || b.promote;
   const StreamShape shape = a.mn <= 16 ? StreamShape::narrow : StreamShape::wide;
-  // Narrow: the first tile of every step of A (the second is empty), contiguous, out of the
-  // panels (where each K block's lie between a header and its scales, two tiles a step): the
-  // 1 KiB a step loads (every strip reads them all from L2) then lie 1 KiB apart instead of 2,
-  // which took FP8 x 7168 x 16384 on 2 threads from 7.1-7.25 to 6.7-6.8 ms at 16 rows, and
-  // from 7.3-7.8 to 6.3 ms at 4. (Copying both tiles of a step for 17 to 32 rows gained
-  // nothing and cost the copy: masked decode of 32 experts x 20 rows 2 % slower.)
   static thread_local Scratch step_tiles;
-  uint8_t* narrow_tiles = nullptr;
-  if (shape == StreamShape::narrow) {
-    narrow_tiles = reinterpret_cast<uint8_t*>(step_tiles.get(static_cast<size_t>(steps * kTileBytes / 4)));
-    for (int64_t s = 0; s < steps; ++s)
-      std::memcpy(narrow_tiles + s * kTileBytes,
-                  panel_steps(act + (s * kStep / kKc) * panel_floats(kKc, kMr)) + (s % (kKc / kStep)) * 2 * kTileBytes,
-                  kTileBytes);
-  }
+  uint8_t* narrow_tiles =
+      shape == StreamShape::narrow ? reinterpret_cast<uint8_t*>(step_tiles.get(static_cast<size_t>(steps * kTileBytes / 4))) : nullptr;
+  if (!prepared) prepare_stream(a, steps, group, act, sa, narrow_tiles);
   const Stream st{a, b, act, sa, shape, promoted, group, narrow_tiles};
   Steps products{st};
   alignas(64) float acc[kMr * kNr];

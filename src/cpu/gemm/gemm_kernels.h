@@ -110,6 +110,11 @@ struct GemmKernels {
   bool tiles_start_from_c = false;
 };
 
+// The run_small_m call (one GEMM's small-M work) the calling thread is working for: a number
+// no other call had, or 0 outside one. A small_m kernel may keep what it derived from A for
+// the rest of the call (each thread is handed several column chunks).
+uint64_t small_m_call_id();
+
 const GemmKernels& gemm_kernels_scalar();
 const GemmKernels& gemm_kernels_avx2();
 const GemmKernels& gemm_kernels_avx512();  // only called when the CPU has AVX-512
