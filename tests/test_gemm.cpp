@@ -1048,7 +1048,7 @@ TEST(GemmBf16Pairs, StreamedWeightsScalesAtTheFoldingEdges) {
   int oracle_checks = 0;
   // (One row of A: FP4 weights stream through the tiles too; FP8 ones take dot products.
   // 40 rows: the medium-M kernel, whose weight rows take the same decoders. avx512_bf16: 5
-  // and 8 rows 256-bit products, 16 rows 512-bit ones, 20 rows FP4 both activation vectors.)
+  // and 8 rows 256-bit products, 16 rows 512-bit ones, 20 rows 512 + 256-bit ones.)
   for (const int64_t m : {8, 1, 40, 5, 16, 20})
     for (const Config cf : {Config{true, 32, 120, 121, 124}, Config{true, 32, 120, 121, 126}, Config{false, 32, 119, 119, 119},
                             Config{false, 128, 119, 120, 120}, Config{false, 128, 119, 120, 126}}) {
@@ -1130,8 +1130,8 @@ TEST(GemmAmx, MediumMOneOperandPromoted) {
 // values; 8 and 20 rows of A take the two tile shapes, 40 the medium-M kernel (weight rows
 // decoded by the same row decoders). A NaN code in a row of normal codes
 // sends that row to the tables too.
-// On avx512_bf16, 8 and 16 rows of A take the vdpbf16ps streaming path (256- and 512-bit
-// products), 20 and 40 the blocked one (the packed call's own).
+// On avx512_bf16, 8, 16, 20 and 24 rows of A take the vdpbf16ps streaming path (256- and
+// 512-bit products, 512 + 256 bits for 17 to 24 rows), 40 the blocked one.
 TEST(GemmBf16Pairs, StreamedE4m3WeightsEveryCode) {
   if (bf16_pair_isas().empty()) GTEST_SKIP() << "no AVX512_BF16 or AMX-BF16 on this CPU";
   for (const Isa pair_isa : bf16_pair_isas()) {
@@ -1144,7 +1144,7 @@ TEST(GemmBf16Pairs, StreamedE4m3WeightsEveryCode) {
   };
   for (const bool with_nan : {false, true})
     for (const Config cf : {Config{false, 128, 128}, Config{true, 128, 128}, Config{true, 1, 32}, Config{false, 1, 32}})
-      for (const int64_t m : {8, 20, 40, 16}) {
+      for (const int64_t m : {8, 20, 40, 16, 24}) {
         SCOPED_TRACE(std::string(cf.ue8m0 ? "ue8m0" : "f32") + " scales, gran " + std::to_string(cf.gran_mn) + " x " +
                      std::to_string(cf.gran_k) + ", m " + std::to_string(m) + (with_nan ? ", NaN codes" : ""));
         const Quantized qa = per_token_cast_to_fp8(random_bf16(m, k, 91), cf.ue8m0, cf.gran_k);

@@ -149,14 +149,14 @@ bool prepare(GemmOperand& a, GemmOperand& b) { return bf16_panels::prepare(a, b,
 
 // Small M, B K-major. Up to 4 rows of K-major A: FP8 / FP4 weights take the bf16 dot
 // products on weights decoded in registers, bf16 weights the FMA kernel (B streamed once).
-// Other calls of up to 16 rows, and of up to 32 against FP4 weights, stream the weights
+// Other calls of up to 24 rows, and of up to 32 against FP4 weights, stream the weights
 // through vdpbf16ps without packing them (stream_dp.inc). Measured on 2 cores of a Zen 4
 // EPYC against the blocked path (which packs B first), N x K = 4096 x 7168, 2 threads,
 // alternated: 16 rows FP8 with ue8m0 scales 1.1-1.7x, FP4 1.3-2.1x, FP8 with f32 scales and
 // bf16 about even; 5 and 8 rows (256-bit products) FP8 ue8m0 1.2x, FP4 1.5x, bf16 and FP8
-// f32 even; 20 to 32 rows FP4 1.2-1.4x, but FP8 and bf16 at 20 rows slower (32 lanes for 20
-// rows), so those keep the blocked path.
-constexpr int64_t kStreamAnyRows = 16;
+// f32 even; 20 rows (512 + 256-bit products) FP4 1.25x, the others even to 1.05x; 25 to 32
+// rows FP4 1.2-1.4x, bf16 and FP8 even (there they keep the blocked path).
+constexpr int64_t kStreamAnyRows = 24;
 
 bool small_m_takes(const GemmOperand& a, const GemmOperand& b) {
   return a.mn <= kStreamAnyRows || b.dtype == DType::e2m1x2;
