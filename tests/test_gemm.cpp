@@ -976,6 +976,52 @@ std::vector<Isa> bf16_pair_isas() {
   return out;
 }
 
+// The streaming small-M paths of the bf16-pair targets (AMX tiles; on avx512_bf16 vdpbf16ps,
+// stream_dp.inc) against packed weights, which take the blocked path, on each target: 5 to
+// 32 rows of A (on avx512_bf16 256-bit, 512-bit and 512 + 256-bit lanes; 25 to 32 rows only
+// FP4 weights stream there), short and long K, and 9000 columns, so that each of two
+// threads streams several column chunks with A prepared once for all of them.
+TEST(GemmBf16Pairs, StreamedSmallMSameBitsAsPackedWeights) {
+  if (bf16_pair_isas().empty()) GTEST_SKIP() << "no AVX512_BF16 or AMX-BF16 on this CPU";
+  ThreadGuard guard;
+  set_num_threads(2);
+  uint64_t seed = 9800;
+  for (const Isa pair_isa : bf16_pair_isas()) {
+    ScopedIsa scoped(pair_isa);
+    for (const FmtPair& pair : kPairs)
+      for (auto [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{5, 9000, 260}, {12, 130, 800}, {20, 9000, 260},
+                             {24, 70, 800}, {28, 70, 800}, {32, 9000, 260}}) {
+        Case cs{Layout::nt, pair.a, pair.b, m, n, k, (seed & 1) ? DType::bf16 : DType::f32,
+                (seed % 3 == 0) ? CMode::in_place : (seed % 3 == 1) ? CMode::separate : CMode::none, (seed & 2) != 0};
+        const std::vector<double> unpacked = run_case(cs, seed).got;
+        cs.packed = true;
+        const std::vector<double> packed = check_case(cs, seed);  // also against the oracle
+        EXPECT_EQ(0, std::memcmp(unpacked.data(), packed.data(), packed.size() * sizeof(double)))
+            << cs.str() << " on " << isa_name(pair_isa);
+        ++seed;
+      }
+  }
+}
+
+// A stored [K, M] (tt) streams as well (A is packed from either layout): the same bits as
+// the nt call on the same values stored [M, K], at each lane count of the vdpbf16ps path.
+TEST(GemmBf16Pairs, StreamedSmallMEitherLayoutOfA) {
+  if (bf16_pair_isas().empty()) GTEST_SKIP() << "no AVX512_BF16 or AMX-BF16 on this CPU";
+  uint64_t seed = 9900;
+  for (const Isa pair_isa : bf16_pair_isas()) {
+    ScopedIsa scoped(pair_isa);
+    for (const FmtPair& pair : kPairs)
+      for (const int64_t m : {5, 16, 24, 28}) {
+        Case nt{Layout::nt, pair.a, pair.b, m, 70, 800, DType::f32, CMode::none, (seed & 1) != 0};
+        Case tt = nt;
+        tt.layout = Layout::tt;
+        const std::vector<double> want = run_case(nt, seed).got, got = run_case(tt, seed).got;
+        EXPECT_EQ(0, std::memcmp(want.data(), got.data(), got.size() * sizeof(double))) << tt.str() << " on " << isa_name(pair_isa);
+        ++seed;
+      }
+  }
+}
+
 // What the bf16-pair kernels (AMX tiles, vdpbf16ps) take and leave. FP8 with f32 scales
 // runs there with the scales promoted per K group; scale groups that are not 32 · 2^j (here
 // 96) run the avx512 kernels and give their bits; bf16 weights packed for these kernels take
@@ -1025,7 +1071,7 @@ TEST(GemmBf16Pairs, TakesWhatItCanPromoteAndLeavesTheRestToAvx512) {
 // the oracle's values where the weights stay finite; K = 800 ends in a partial chunk, N = 70
 // in a partial strip. Past the edges (2^126: an exponent add would turn inf into NaN), and
 // with NaN codes among the FP8 weights, only the bits are compared.
-// On avx512_bf16 the same decoders feed vdpbf16ps (stream_dp.inc: 5 to 16 rows of A, and up
+// On avx512_bf16 the same decoders feed vdpbf16ps (stream_dp.inc: 5 to 24 rows of A, and up
 // to 32 against FP4 weights; 256-bit products up to 8 rows), and must give that target's
 // blocked bits likewise.
 TEST(GemmBf16Pairs, StreamedWeightsScalesAtTheFoldingEdges) {

@@ -67,9 +67,10 @@ void dot_rows(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t n1
               SmallMFn fallback);
 
 // Up to kStreamRows rows of A (prepared as above, either layout) against K-major weights:
-// the weights streamed once, strip by strip, decoded into bf16 rows (or read where they are)
-// and multiplied with vdpbf16ps against A packed once per call (stream_dp.inc). The blocked
-// avx512_bf16 path's bits. GemmKernels::small_m's contract; needs AVX512_BF16, VBMI and GFNI.
+// the weights streamed once, strip by strip, decoded (bf16: copied) into bf16 rows and
+// multiplied with vdpbf16ps against A packed once per call (stream_dp.inc). The blocked
+// avx512_bf16 path's bits. GemmKernels::small_m's contract; needs AVX512_BF16 (the
+// decoders use VBMI and GFNI where the CPU has them, the general decoders elsewhere).
 constexpr int64_t kStreamRows = 32;
 void stream_small_m(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t n1, float* out, int64_t ld_out);
 

@@ -403,6 +403,7 @@ void run_small_m(const detail::GemmKernels& kern, const GemmOperand& a, const Ge
 #pragma omp parallel num_threads(threads)
   {
     float* res = thread_buffers().acc.get(static_cast<size_t>(m * cols));
+    const uint64_t outer = t_small_m_call;  // (a call made inside a kernel keeps its own id)
     t_small_m_call = call;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t c = 0; c < chunks; ++c) {
@@ -413,7 +414,7 @@ void run_small_m(const detail::GemmKernels& kern, const GemmOperand& a, const Ge
         write_block(out, {res, cols, 0}, 0, m, j, nc);
       }
     }
-    t_small_m_call = 0;
+    t_small_m_call = outer;
   }
 }
 
@@ -458,7 +459,7 @@ void run_gemm(const char* fn, GemmOperand a, GemmOperand b, const Output& out, c
   if (m == 0 || n == 0) return;
   const detail::GemmKernels& kern = detail::gemm_kernels(runs_on);
   // (B groups must be whole lanes: the per-group sums of the FMA small-M path are 8 lanes
-  // wide; the AMX one takes what its prepare() took.)
+  // wide; the bf16-pair ones take what their prepare() took.)
   const bool small_m = m <= kern.small_m_rows && b.k_major && k > 0 &&
                        (kern.small_m_any_a || (a.k_major && (!b.sf || b.gran_k % 8 == 0))) &&
                        (!kern.small_m_takes || kern.small_m_takes(a, b));

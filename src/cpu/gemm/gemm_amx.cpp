@@ -1309,9 +1309,9 @@ class StripSource {
   int64_t first_row() const { return j0_; }
   int rows() const { return rows_; }
 
-  // Chunk [k0, k0 + kChunk) as A tiles: where they are (plain bf16 rows in place) or
-  // decoded into `words` (rows past a short strip's end stay as they are: their sums are
-  // never read); sets the row stride.
+  // Chunk [k0, k0 + kChunk) as A tiles: where they are (plain bf16 rows in place, unless
+  // bf16_by_rows) or decoded (copied) into `words` (rows past a short strip's end stay as
+  // they are: their sums are never read); sets the row stride.
   const uint8_t* chunk(int64_t k0, uint32_t* words, int64_t& stride) const {
     const int64_t len = std::min(kChunk, b_.k - k0);
     stride = kChunkWords * 4;
@@ -1327,8 +1327,9 @@ class StripSource {
   }
 
   // Whether chunk k0 can be decoded by rows (decode_rows): a whole chunk of a full strip,
-  // of raw e4m3, or of folded e4m3 or e2m1 whose scales are all powers of two in the range
-  // that keeps the values bf16 normals (then their shifts are in `shifts`).
+  // of raw e4m3, of plain bf16 copied by rows (bf16_by_rows), or of folded e4m3 or e2m1
+  // whose scales are all powers of two in the range that keeps the values bf16 normals
+  // (then their shifts are in `shifts`).
   bool rowwise(int64_t k0, Shifts& shifts) const {
     if (!full_ || b_.k - k0 < kChunk) return false;
     if (raw_e4m3_ || bf16_by_rows_) return true;
@@ -1421,9 +1422,9 @@ void write_transposed(const float* acc, int cols, int rows, float* out, int64_t 
 
 // The source's weight rows against every row of A, all of K: acc[n * 32 + m].
 // Software-pipelined: chunk c + 1 is decoded before (or, where it can be decoded by rows, a
-// few rows before each step of) the products of chunk c, so the tile loads read words stored
-// well before them (tile loads wait for earlier stores to reach the cache) and the products
-// overlap the next decode. The last chunk's steps likewise decode the first chunk of the
+// few rows before each slice of Steps::kSlice steps of) the products of chunk c, so the
+// tile loads read words stored well before them (tile loads wait for earlier stores to reach
+// the cache) and the products overlap the next decode. The last chunk's steps likewise decode the first chunk of the
 // next strip (`next`, null if none), so that short K (one or two chunks a strip) overlaps as
 // long K does; `cursor` carries that chunk from strip to strip.
 template <class Steps>
@@ -1565,7 +1566,6 @@ void stream_rows(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t
   static thread_local uint64_t prepared_for = 0;
   const uint64_t call = small_m_call_id();
   const bool prepared = call != 0 && call == prepared_for;
-  prepared_for = call;
   static thread_local Scratch buffer, scales;  // (panels start with a 64-byte aligned header)
   float* act = buffer.get(static_cast<size_t>(blocks * panel_floats(kKc, kMr)));
   float* sa = scales.get(static_cast<size_t>(groups * kMr));
@@ -1574,7 +1574,11 @@ void stream_rows(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t
   static thread_local Scratch step_tiles;
   uint8_t* narrow_tiles =
       shape == StreamShape::narrow ? reinterpret_cast<uint8_t*>(step_tiles.get(static_cast<size_t>(steps * kTileBytes / 4))) : nullptr;
-  if (!prepared) prepare_stream(a, steps, group, act, sa, narrow_tiles);
+  if (!prepared) {
+    prepared_for = 0;  // (until the buffers hold this call's A)
+    prepare_stream(a, steps, group, act, sa, narrow_tiles);
+    prepared_for = call;
+  }
   const Stream st{a, b, act, sa, shape, promoted, group, narrow_tiles};
   Steps products{st};
   alignas(64) float acc[kMr * kNr];
