@@ -1308,6 +1308,55 @@ TEST(GemmBf16Pairs, FewRowsOfE4m3WeightsMatchOracle) {
   }
 }
 
+// Two to four rows of bf16 A against bf16 weights take bf16 dot products on the weights as
+// they are, on avx512_bf16 (one row, and amx, the FMA kernel or the tiles: held to the
+// oracle the same way). Against the oracle element by element, within the bound for f32 sums of k terms;
+// K with partial 32- and 64-value blocks (the masked loads), N ending mid-pass (8, 4 or 2
+// weight rows per pass); the same bits on one and two threads; both operands as views with
+// NaN past K in each row (never read); a NaN weight poisons its own column only.
+TEST(GemmBf16Pairs, FewRowsOfBf16WeightsMatchOracle) {
+  if (bf16_pair_isas().empty()) GTEST_SKIP() << "no AVX512_BF16 or AMX-BF16 on this CPU";
+  ThreadGuard guard;
+  for (const Isa pair_isa : bf16_pair_isas()) {
+    ScopedIsa scoped(pair_isa);
+    SCOPED_TRACE(isa_name(pair_isa));
+    uint64_t seed = 9950;
+    for (const int64_t m : {1, 2, 3, 4})
+      for (const int64_t k : {20, 64, 100, 1000})
+        for (const int64_t n : {1, 13, 1100}) {
+          SCOPED_TRACE("m " + std::to_string(m) + ", k " + std::to_string(k) + ", n " + std::to_string(n));
+          // Both operands are views whose rows are k + 8 apart, the 8 values past K NaN: a read
+          // past the end of a row (a mask one value too long) turns its column into NaN.
+          const auto nan_padded = [&](int64_t rows, uint64_t sd) {
+            Tensor wide = random_bf16(rows, k + 8, sd);
+            for (int64_t r = 0; r < rows; ++r)
+              for (int64_t j = k; j < k + 8; ++j) wide.data_ptr<uint16_t>()[r * (k + 8) + j] = 0x7fc0;
+            return wide;
+          };
+          const Tensor wide_a = nan_padded(m, seed++), wide_b = nan_padded(n, seed++);
+          const Tensor a = wide_a.slice(1, 0, k), b = wide_b.slice(1, 0, k);
+          Tensor one = on_one_and_two_threads({m, n}, [&](const Tensor& d) { bf16_gemm_nt(a, b, d); });
+          const Tensor a_copy = Tensor::empty({m, k}, DType::bf16), b_copy = Tensor::empty({n, k}, DType::bf16);
+          a_copy.copy_from(a);
+          b_copy.copy_from(b);
+          const ref::Operand ra{a_copy, Tensor(), 1, 128}, rb{b_copy, Tensor(), 1, 128};
+          const std::vector<double> want = ref::gemm(Layout::nt, ra, rb);
+          EXPECT_LE(ref::calc_diff(ref::to_f64(one), want), 1e-5);
+          const std::vector<double> abs_dot = ref::gemm(Layout::nt, abs_operand(ra), abs_operand(rb));
+          for (int64_t i = 0; i < m * n; ++i) {
+            const auto e = static_cast<size_t>(i);
+            EXPECT_NEAR(one.data_ptr<float>()[i], want[e], 2.0 * static_cast<double>(k) * 0x1p-24 * abs_dot[e] + 1e-30)
+                << "element " << i;
+          }
+          if (n < 13) continue;
+          wide_b.data_ptr<uint16_t>()[7 * (k + 8) + k - 1] = 0x7fc0;  // a NaN in the last K place of weight row 7
+          bf16_gemm_nt(a, b, one);
+          for (int64_t i = 0; i < m; ++i)
+            for (int64_t j = 0; j < n; ++j) EXPECT_EQ(std::isnan(one.data_ptr<float>()[i * n + j]), j == 7) << "row " << i << ", column " << j;
+        }
+  }
+}
+
 // One or two rows of A (up to four on avx512_bf16) against FP4 weights with foldable
 // (power-of-two) scales take the FP4 dot path (dot_row_amx.inc): every pair of codes, f32 and packed ue8m0 scales, K
 // tails, rows before and after a pass boundary, and passes holding a scale the table cannot

@@ -58,9 +58,10 @@ bool prepare(GemmOperand& a, GemmOperand& b, int64_t kc);
 
 // Up to max_rows (at most 4) K-major rows of A (prepared as above) against K-major e4m3
 // weights, or e2m1 weights with folded scales: vdpbf16ps on weights decoded in registers
-// (dot_row_amx.inc). Passes of FP4 weights whose scales do not fold go to `fallback`.
+// (dot_row_amx.inc); or 2 to 4 rows of bf16 A against bf16 weights, without scales, on the weights as they
+// are. Passes of FP4 weights whose scales do not fold go to `fallback`.
 // GemmKernels::small_m's contract (dot_rows takes what dot_rows_take took); needs
-// AVX512_BF16, VBMI and GFNI (dot_rows_take checks).
+// AVX512_BF16, and VBMI and GFNI for the FP8 and FP4 weights (dot_rows_take checks).
 using SmallMFn = void (*)(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t n1, float* out, int64_t ld_out);
 bool dot_rows_take(const GemmOperand& a, const GemmOperand& b, int64_t max_rows);
 void dot_rows(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t n1, float* out, int64_t ld_out,

@@ -1800,12 +1800,13 @@ void pack_b(const GemmOperand& op, int64_t mn0, int64_t count, int64_t k0, int64
 }
 
 bool dot_rows_take(const GemmOperand& a, const GemmOperand& b, int64_t max_rows) {
-  return dot_row_takes(a, b, max_rows) || fp4_dot_takes(a, b, max_rows);
+  return dot_row_takes(a, b, max_rows) || fp4_dot_takes(a, b, max_rows) || bf16_dot_takes(a, b, max_rows);
 }
 
 void dot_rows(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t n1, float* out, int64_t ld_out,
               SmallMFn fallback) {
   if (dot_row_takes(a, b, kMaxDotRowsOfA)) return dot_row_small_m(a, b, n0, n1, out, ld_out);
+  if (bf16_dot_takes(a, b, kMaxDotRowsOfA)) return bf16_dot_small_m(a, b, n0, n1, out, ld_out);
   fp4_dot_small_m(a, b, n0, n1, out, ld_out, fallback);
 }
 

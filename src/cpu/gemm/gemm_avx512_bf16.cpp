@@ -148,7 +148,9 @@ void tile(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, int
 bool prepare(GemmOperand& a, GemmOperand& b) { return bf16_panels::prepare(a, b, kKc); }
 
 // Small M, B K-major. Up to 4 rows of K-major A: FP8 / FP4 weights take the bf16 dot
-// products on weights decoded in registers, bf16 weights the FMA kernel (B streamed once).
+// products on weights decoded in registers, bf16 weights (2 to 4 rows of bf16 A, no scales)
+// the same dot products on the weights as they are, the rest the FMA kernel (B streamed
+// once).
 // Other calls of up to 24 rows, and of up to 32 against FP4 weights, stream the weights
 // through vdpbf16ps without packing them (stream_dp.inc). Measured on 2 cores of a Zen 4
 // EPYC against the blocked path (which packs B first), N x K = 4096 x 7168, 2 threads,
