@@ -1250,6 +1250,24 @@ Tensor on_one_and_two_threads(const std::vector<int64_t>& shape, const std::func
   return one;
 }
 
+// Every element of the m x n f32 result `got` within the bound for f32 sums of k terms of
+// the oracle's `want`, 2k · 2^-24 · Σ|a·b| (calc_diff alone lets one element hide behind a
+// large column).
+void expect_each_within_sum_bound(const Tensor& got, const std::vector<double>& want, const ref::Operand& ra,
+                                  const ref::Operand& rb, int64_t k) {
+  const std::vector<double> abs_dot = ref::gemm(Layout::nt, abs_operand(ra), abs_operand(rb));
+  for (size_t e = 0; e < want.size(); ++e)
+    EXPECT_NEAR(got.data_ptr<float>()[e], want[e], 2.0 * static_cast<double>(k) * 0x1p-24 * abs_dot[e] + 1e-30)
+        << "element " << e;
+}
+
+// NaN in column `column` of every row of the m x n f32 result, and nowhere else.
+void expect_nan_in_column_only(const Tensor& got, int64_t m, int64_t n, int64_t column) {
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j)
+      EXPECT_EQ(std::isnan(got.data_ptr<float>()[i * n + j]), j == column) << "row " << i << ", column " << j;
+}
+
 TEST(GemmBf16Pairs, FewRowsOfE4m3WeightsMatchOracle) {
   if (bf16_pair_isas().empty()) GTEST_SKIP() << "no AVX512_BF16 or AMX-BF16 on this CPU";
   ThreadGuard guard;
@@ -1301,9 +1319,7 @@ TEST(GemmBf16Pairs, FewRowsOfE4m3WeightsMatchOracle) {
           if (n < 13) continue;
           codes[5 * k + k - 1] = 0xff;  // a NaN code, in the last block of a row of normal codes
           fp8_fp4_gemm_nt(qa, qb, one, Tensor(), o);
-          for (int64_t i = 0; i < m; ++i)
-            for (int64_t j = 0; j < n; ++j)
-              EXPECT_EQ(std::isnan(one.data_ptr<float>()[i * n + j]), j == 5) << "row " << i << ", column " << j;
+          expect_nan_in_column_only(one, m, n, 5);
         }
   }
 }
@@ -1342,17 +1358,11 @@ TEST(GemmBf16Pairs, FewRowsOfBf16WeightsMatchOracle) {
           const ref::Operand ra{a_copy, Tensor(), 1, 128}, rb{b_copy, Tensor(), 1, 128};
           const std::vector<double> want = ref::gemm(Layout::nt, ra, rb);
           EXPECT_LE(ref::calc_diff(ref::to_f64(one), want), 1e-5);
-          const std::vector<double> abs_dot = ref::gemm(Layout::nt, abs_operand(ra), abs_operand(rb));
-          for (int64_t i = 0; i < m * n; ++i) {
-            const auto e = static_cast<size_t>(i);
-            EXPECT_NEAR(one.data_ptr<float>()[i], want[e], 2.0 * static_cast<double>(k) * 0x1p-24 * abs_dot[e] + 1e-30)
-                << "element " << i;
-          }
+          expect_each_within_sum_bound(one, want, ra, rb, k);
           if (n < 13) continue;
           wide_b.data_ptr<uint16_t>()[7 * (k + 8) + k - 1] = 0x7fc0;  // a NaN in the last K place of weight row 7
           bf16_gemm_nt(a, b, one);
-          for (int64_t i = 0; i < m; ++i)
-            for (int64_t j = 0; j < n; ++j) EXPECT_EQ(std::isnan(one.data_ptr<float>()[i * n + j]), j == 7) << "row " << i << ", column " << j;
+          expect_nan_in_column_only(one, m, n, 7);
         }
   }
 }
@@ -1393,21 +1403,13 @@ TEST(GemmBf16Pairs, FewRowsOfE2m1WeightsMatchOracle) {
           const ref::Operand ra{qa.values, qa.sf, 1, 32}, rb{qb.values, qb.sf, 1, 32};
           const std::vector<double> want = ref::gemm(Layout::nt, ra, rb);
           EXPECT_LE(ref::calc_diff(ref::to_f64(one), want), 1e-5);
-          // Element-wise too (calc_diff is dominated by the 2^121 column), within the bound for
-          // f32 sums of k terms: 2k · 2^-24 · Σ|a·b|.
-          const std::vector<double> abs_dot = ref::gemm(Layout::nt, abs_operand(ra), abs_operand(rb));
-          for (int64_t i = 0; i < m * n; ++i) {
-            const auto e = static_cast<size_t>(i);
-            EXPECT_NEAR(one.data_ptr<float>()[i], want[e], 2.0 * static_cast<double>(k) * 0x1p-24 * abs_dot[e] + 1e-30)
-                << "element " << i;
-          }
+          expect_each_within_sum_bound(one, want, ra, rb, k);  // (calc_diff is dominated by the 2^121 column)
           if (n < 13) continue;
           // A NaN scale (ue8m0 255): NaN in that column alone.
           if (packed) b.sf.data_ptr<uint8_t>()[7 * b.sf.size(1) * 4] = 0xff;
           else sf[7 * groups] = std::numeric_limits<float>::quiet_NaN();
           fp8_fp4_gemm_nt(qa, b, one, Tensor(), o);
-          for (int64_t i = 0; i < m; ++i)
-            for (int64_t j = 0; j < n; ++j) EXPECT_EQ(std::isnan(one.data_ptr<float>()[i * n + j]), j == 7) << "row " << i << ", column " << j;
+          expect_nan_in_column_only(one, m, n, 7);
         }
   }
 }

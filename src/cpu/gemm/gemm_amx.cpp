@@ -19,7 +19,6 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <optional>
@@ -1424,9 +1423,10 @@ void write_transposed(const float* acc, int cols, int rows, float* out, int64_t 
 // Software-pipelined: chunk c + 1 is decoded before (or, where it can be decoded by rows, a
 // few rows before each slice of Steps::kSlice steps of) the products of chunk c, so the
 // tile loads read words stored well before them (tile loads wait for earlier stores to reach
-// the cache) and the products overlap the next decode. The last chunk's steps likewise decode the first chunk of the
-// next strip (`next`, null if none), so that short K (one or two chunks a strip) overlaps as
-// long K does; `cursor` carries that chunk from strip to strip.
+// the cache) and the products overlap the next decode. The last chunk's steps likewise
+// decode the first chunk of the next strip (`next`, null if none), so that short K (one or
+// two chunks a strip) overlaps as long K does; `cursor` carries that chunk from strip to
+// strip.
 template <class Steps>
 void stream_strip(const Stream& st, Steps& products, const StripSource& source, const StripSource* next, StripCursor& cursor,
                   float* acc) {
