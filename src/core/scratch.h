@@ -7,14 +7,15 @@
 #include <memory>
 #include <new>
 
+#include "host_memory.h"
+
 namespace moekit::detail {
 
 class Scratch {
  public:
   float* get(size_t n) {
     if (n > size_) {
-      const size_t bytes = ((n * sizeof(float) + 63) / 64) * 64;
-      buf_.reset(static_cast<float*>(std::aligned_alloc(64, bytes)));
+      buf_.reset(static_cast<float*>(host_alloc(n * sizeof(float))));
       if (!buf_) throw std::bad_alloc();
       size_ = n;
     }

@@ -202,7 +202,11 @@ constexpr int64_t kMaxTileFloats = 32 * 32;  // the largest mr x nr of the targe
 // Every tile of one row block x column block x K block: micro-panels of B (kept in L1)
 // sweep micro-panels of A (L2). Partial sums live tile-contiguous (panel-major, row stride
 // nr) so the sweep walks memory linearly; the buffer is larger than the caches, so the
-// next tile's sums are requested while this one computes.
+// next tile's sums are requested while this one computes: into L2, one tile ahead. A tile
+// streams its A and B panels through L1 and would evict them from there; requested two
+// tiles ahead into L1 for writing (as before 2026-12-04), bf16 4096 x 2112 x 7168 on 2
+// Zen 4 cores ran 1-2 % slower, and these requests took 1.3 % of a one-thread profile
+// against 0.35 %.
 //
 // Given `last`, each tile is finished as it is computed: its sums, still in L1, go to D with
 // C added and rounded, exactly as write_block would have done later (the same bits), and a
@@ -220,9 +224,9 @@ void sweep(const detail::GemmKernels& kern, const float* pa, const float* pb, in
     for (int64_t ir = 0; ir < mc; ir += kern.mr) {
       const int r = static_cast<int>(std::min<int64_t>(kern.mr, mc - ir));
       float* c_tile = to_scratch ? scratch : acc + (jr / kern.nr) * panel_stride + ir * kern.nr;
-      if (!to_scratch) {
-        const char* next = reinterpret_cast<const char*>(c_tile + 2 * kern.mr * kern.nr);
-        for (int64_t byte = 0; byte < kern.mr * kern.nr * 4; byte += 64) __builtin_prefetch(next + byte, 1);
+      if (!to_scratch) {  // the next tile's sums, into L2 (see above)
+        const char* next = reinterpret_cast<const char*>(c_tile + kern.mr * kern.nr);
+        for (int64_t byte = 0; byte < kern.mr * kern.nr * 4; byte += 64) __builtin_prefetch(next + byte, 0, 2);
       }
       if (last) {  // the next tile's part of D (this one's was requested a tile ago)
         const bool down = ir + kern.mr < mc;
