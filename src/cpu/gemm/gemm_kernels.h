@@ -108,6 +108,9 @@ struct GemmKernels {
   bool (*small_m_takes)(const GemmOperand& a, const GemmOperand& b) = nullptr;
   // Whether tiles accumulating into D in place may start from C (gemm.cpp: tiles_write_d).
   bool tiles_start_from_c = false;
+  // Whether tiles written straight into D should have the next tile's rows of D requested
+  // as each starts (gemm.cpp: sweep_into_d).
+  bool request_d_ahead = false;
 };
 
 // The run_small_m call (one GEMM's small-M work) the calling thread is working for: a number
