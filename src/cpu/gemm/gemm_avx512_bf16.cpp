@@ -78,9 +78,12 @@ void plain_rows(int64_t kc, const float* a, const float* b, float* c, int64_t ld
 
 // Promoted: each K group (the finer of the two operands' groups) is summed from zero in
 // registers, then acc = fma(partial, sa[i] · sb[j], acc) in f32 (an operand that is not
-// promoted has scale 1): the AMX target's order.
+// promoted has scale 1): the AMX target's order. Passes of at most 7 rows, so that the
+// partial sums and the running sums (2 x 14 zmm) both stay in registers: with passes of 12
+// rows the running sums went through memory once per group.
 template <int R0, int R>
 void promoted_rows(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, bool accumulate) {
+  static_assert(R <= 7, "partial and running sums of the pass in registers");
   const auto& ha = bf16_panels::header(a);
   const auto& hb = bf16_panels::header(b);
   const int64_t steps = bf16_panels::step_count(kc);
@@ -88,11 +91,10 @@ void promoted_rows(int64_t kc, const float* a, const float* b, float* c, int64_t
   const int64_t group = std::min(ga, gb);
   const float* sa = a + bf16_panels::scales_offset(kc);
   const float* sb = b + bf16_panels::scales_offset(kc);
-  alignas(64) float sums[R * kNr];
+  __m512 sums[R][2];
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < 2; ++h)
-      _mm512_store_ps(sums + r * kNr + 16 * h,
-                      accumulate ? _mm512_loadu_ps(c + (R0 + r) * ldc + 16 * h) : _mm512_setzero_ps());
+      sums[r][h] = accumulate ? _mm512_loadu_ps(c + (R0 + r) * ldc + 16 * h) : _mm512_setzero_ps();
   const __m512 one = _mm512_set1_ps(1.0f);
   for (int64_t s0 = 0; s0 < steps; s0 += group) {
     __m512 part[R][2];
@@ -103,34 +105,41 @@ void promoted_rows(int64_t kc, const float* a, const float* b, float* c, int64_t
     const __m512 sb0 = sb_g ? _mm512_load_ps(sb_g) : one, sb1 = sb_g ? _mm512_load_ps(sb_g + 16) : one;
     for (int r = 0; r < R; ++r) {
       const __m512 ar = _mm512_set1_ps(sa_g ? sa_g[R0 + r] : 1.0f);
-      float* row = sums + r * kNr;
-      _mm512_store_ps(row, _mm512_fmadd_ps(part[r][0], _mm512_mul_ps(ar, sb0), _mm512_load_ps(row)));
-      _mm512_store_ps(row + 16, _mm512_fmadd_ps(part[r][1], _mm512_mul_ps(ar, sb1), _mm512_load_ps(row + 16)));
+      sums[r][0] = _mm512_fmadd_ps(part[r][0], _mm512_mul_ps(ar, sb0), sums[r][0]);
+      sums[r][1] = _mm512_fmadd_ps(part[r][1], _mm512_mul_ps(ar, sb1), sums[r][1]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int h = 0; h < 2; ++h) _mm512_storeu_ps(c + (R0 + r) * ldc + 16 * h, _mm512_load_ps(sums + r * kNr + 16 * h));
-}
-
-template <int R0, int R>
-void rows_pass(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, bool accumulate, bool promoted) {
-  if (promoted) promoted_rows<R0, R>(kc, a, b, c, ldc, accumulate);
-  else plain_rows<R0, R>(kc, a, b, c, ldc, accumulate);
+    for (int h = 0; h < 2; ++h) _mm512_storeu_ps(c + (R0 + r) * ldc + 16 * h, sums[r][h]);
 }
 
 // Passes over the first `rows` rows only (padded panel rows are zero; a pass writes all its
 // rows): 12 + 12 + 8 for a full panel, fewer and narrower ones for a short panel (16 rows of
 // A, say: 8 + 8, not 12 + 12).
+void plain_passes(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, int rows, bool accumulate) {
+  if (rows <= 8) return plain_rows<0, 8>(kc, a, b, c, ldc, accumulate);
+  if (rows <= 16) {
+    plain_rows<0, 8>(kc, a, b, c, ldc, accumulate);
+    return plain_rows<8, 8>(kc, a, b, c, ldc, accumulate);
+  }
+  plain_rows<0, 12>(kc, a, b, c, ldc, accumulate);
+  plain_rows<12, 12>(kc, a, b, c, ldc, accumulate);
+  if (rows > 24) plain_rows<24, 8>(kc, a, b, c, ldc, accumulate);
+}
+
+// Promoted passes: 7, 7, 6, 6 and 6 rows for a full panel, as many as `rows` needs.
+void promoted_passes(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, int rows, bool accumulate) {
+  promoted_rows<0, 7>(kc, a, b, c, ldc, accumulate);
+  if (rows > 7) promoted_rows<7, 7>(kc, a, b, c, ldc, accumulate);
+  if (rows > 14) promoted_rows<14, 6>(kc, a, b, c, ldc, accumulate);
+  if (rows > 20) promoted_rows<20, 6>(kc, a, b, c, ldc, accumulate);
+  if (rows > 26) promoted_rows<26, 6>(kc, a, b, c, ldc, accumulate);
+}
+
 void passes(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, int rows, bool accumulate) {
   const bool promoted = bf16_panels::header(a).promoted || bf16_panels::header(b).promoted;
-  if (rows <= 8) return rows_pass<0, 8>(kc, a, b, c, ldc, accumulate, promoted);
-  if (rows <= 16) {
-    rows_pass<0, 8>(kc, a, b, c, ldc, accumulate, promoted);
-    return rows_pass<8, 8>(kc, a, b, c, ldc, accumulate, promoted);
-  }
-  rows_pass<0, 12>(kc, a, b, c, ldc, accumulate, promoted);
-  rows_pass<12, 12>(kc, a, b, c, ldc, accumulate, promoted);
-  if (rows > 24) rows_pass<24, 8>(kc, a, b, c, ldc, accumulate, promoted);
+  if (promoted) return promoted_passes(kc, a, b, c, ldc, rows, accumulate);
+  plain_passes(kc, a, b, c, ldc, rows, accumulate);
 }
 
 void tile(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, int rows, int cols, bool accumulate) {
