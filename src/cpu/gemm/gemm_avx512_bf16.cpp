@@ -6,7 +6,8 @@
 // A 32 x 32 output tile is computed in three passes of rows (12, 12 and 8): a pass keeps its
 // rows x 32 columns in 24 (16) zmm accumulators, loads the step's two B vectors (16 columns
 // x one K pair each) once per K pair and multiplies them by each row's K pair, broadcast
-// from the A panel.
+// from the A panel. Tiles whose scales are promoted per K group take five passes (7, 7, 6,
+// 6 and 6 rows), each holding its partial and running sums in registers.
 //
 // Accuracy class (as the AMX one): vdpbf16ps adds the two products of a pair to the
 // accumulator inside the instruction (its own rounding; Intel documents denormal inputs
