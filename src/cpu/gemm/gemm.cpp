@@ -198,11 +198,17 @@ int64_t column_block(int64_t rows, int64_t cols, int nr) {
 // Requests D's rows [i0, i0 + rows), columns [j0, j0 + cols), for writing (and C's for
 // reading), so that the lines are at hand when a tile's sums arrive: bf16 D 4096 x 7168 x
 // 2048 on AMX, 5-7 % faster; without it the tiles' own stores queued behind D's misses.
-void request_d(const Output& out, int64_t i0, int64_t rows, int64_t j0, int64_t cols) {
+// into_l2 (GemmKernels::d_requests_into_l2) asks for D's lines in L2 rather than L1: on 2
+// Zen 4 cores (avx512_bf16) bf16 4096 x 32768 x 512 400 -> 407 GFLOP/s and 4096 x 2112 x
+// 7168 409 -> 424 (alternated medians; without requests 391 at K = 512).
+void request_d(const Output& out, int64_t i0, int64_t rows, int64_t j0, int64_t cols, bool into_l2) {
   const int64_t es = static_cast<int64_t>(element_size(out.dtype)), ces = static_cast<int64_t>(element_size(out.c_dtype));
   for (int64_t i = i0; i < i0 + rows; ++i) {
     const uint8_t* d = out.d + (i * out.ldd + j0) * es;
-    for (int64_t byte = 0; byte < cols * es; byte += 64) __builtin_prefetch(d + byte, 1);
+    if (into_l2)
+      for (int64_t byte = 0; byte < cols * es; byte += 64) __builtin_prefetch(d + byte, 0, 2);
+    else
+      for (int64_t byte = 0; byte < cols * es; byte += 64) __builtin_prefetch(d + byte, 1);
     if (!out.c || out.c == out.d) continue;
     const uint8_t* c = out.c + (i * out.ldc + j0) * ces;
     for (int64_t byte = 0; byte < cols * ces; byte += 64) __builtin_prefetch(c + byte, 0);
@@ -256,7 +262,7 @@ void sweep(const detail::GemmKernels& kern, const float* pa, const float* pb, in
         const int64_t ni = down ? ir + kern.mr : 0, nj = down ? jr : jr + kern.nr;
         if (nj < nc)
           request_d(*last->out, last->i0 + ni, std::min<int64_t>(kern.mr, mc - ni), last->j0 + nj,
-                    std::min<int64_t>(kern.nr, nc - nj));
+                    std::min<int64_t>(kern.nr, nc - nj), kern.d_requests_into_l2);
       }
       kern.tile(kc, pa + panels_floats(kern, ir / kern.mr, kc, kern.mr), bp, c_tile, kern.nr, r, cols, accumulate);
       if (last) write_block(*last->out, {c_tile, kern.nr, 0}, last->i0 + ir, last->i0 + ir + r, last->j0 + jr, cols);
@@ -275,7 +281,7 @@ void request_tile(const float* d, int64_t ldd, int rows, int64_t cols) {
 // front to back, which the hardware prefetchers follow. In sweep's order a tile in D touches
 // mr rows a page apart; requesting them ahead (every line or one per row, one to four tiles
 // ahead) was 5-15 % slower than this order without requests (AMX host, 2026-12-02). Where
-// GemmKernels::request_d_ahead is set, the next tile of the strip is requested into L2 as
+// GemmKernels::d_requests_into_l2 is set, the next tile of the strip is requested into L2 as
 // each tile starts: on 2 Zen 4 cores (avx512_bf16) k-grouped bf16 4 x 4096 x 7168 x 512
 // accumulating in place ran 376 -> 384-398 GFLOP/s (5 alternated runs; two tiles ahead
 // 377-395; into L1 377-389).
@@ -286,7 +292,7 @@ void sweep_into_d(const detail::GemmKernels& kern, const float* pa, const float*
     const int rows = static_cast<int>(std::min<int64_t>(kern.mr, mc - ir));
     const float* ap = pa + panels_floats(kern, ir / kern.mr, kc, kern.mr);
     for (int64_t jr = 0; jr < nc; jr += kern.nr) {
-      if (kern.request_d_ahead && jr + kern.nr < nc)
+      if (kern.d_requests_into_l2 && jr + kern.nr < nc)
         request_tile(d + ir * ldd + jr + kern.nr, ldd, rows, std::min<int64_t>(kern.nr, nc - jr - kern.nr));
       kern.tile(kc, ap, pb + panels_floats(kern, jr / kern.nr, kc, kern.nr), d + ir * ldd + jr, ldd, rows,
                 static_cast<int>(std::min<int64_t>(kern.nr, nc - jr)), accumulate);

@@ -196,7 +196,7 @@ const GemmKernels& gemm_kernels_avx512_bf16() {
     t.small_m_align = bf16_panels::kWidth;
     t.small_m_any_a = true;
     t.small_m_takes = &small_m_takes;
-    t.request_d_ahead = true;
+    t.d_requests_into_l2 = true;
     return t;
   }();
   return k;
