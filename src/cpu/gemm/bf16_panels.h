@@ -27,7 +27,13 @@ constexpr int64_t kMaxKc = 2048;  // the deepest K block any target packs
 struct alignas(64) PanelHeader {
   uint32_t promoted;     // 0: values carry their scales; 1: raw values, scales after the steps
   uint32_t group_steps;  // K group / 32, when promoted
-  uint32_t pad[14];
+  // 1: an A panel whose 32 rows are read where they are stored (no steps follow): row r's
+  // bf16 at rows + r * row_bytes, from the block's first K on (avx512_bf16 only).
+  uint32_t direct;
+  uint32_t pad0;
+  const uint8_t* rows;
+  int64_t row_bytes;
+  uint32_t pad[8];
 };
 static_assert(sizeof(PanelHeader) == 64);
 

@@ -46,23 +46,43 @@ inline __m512bh pair_of(const uint8_t* p) {
 }
 inline __m512bh pairs_at(const uint8_t* p) { return reinterpret_cast<__m512bh>(_mm512_load_si512(p)); }
 
+// Where row r's K pairs of step s are: in the packed A panel, or (DirectA) in the rows
+// themselves (PanelHeader::direct).
+struct PackedA {
+  const uint8_t* steps;
+  const uint8_t* row(int r, int64_t s) const { return steps + s * 2 * kBlockBytes + (r / 16) * kBlockBytes + (r % 16) * 64; }
+};
+struct DirectA {
+  const uint8_t* rows;
+  int64_t row_bytes;
+  const uint8_t* row(int r, int64_t s) const { return rows + r * row_bytes + s * kStep * 2; }
+};
+
 // acc[r][h] (row R0 + r, columns 16h..16h+15) += steps [s0, s1) of the panels.
-template <int R0, int R>
-inline void dot_steps(const uint8_t* a, const uint8_t* b, int64_t s0, int64_t s1, __m512 (&acc)[R][2]) {
+template <int R0, int R, class A>
+inline void dot_steps(const A& a, const uint8_t* b, int64_t s0, int64_t s1, __m512 (&acc)[R][2]) {
   for (int64_t s = s0; s < s1; ++s) {
-    const uint8_t* as = a + s * 2 * kBlockBytes;
     const uint8_t* bs = b + s * 2 * kBlockBytes;
 #pragma GCC unroll 16
     for (int p = 0; p < kStep / 2; ++p) {
       const __m512bh b0 = pairs_at(bs + p * 64), b1 = pairs_at(bs + kBlockBytes + p * 64);
 #pragma GCC unroll 12
       for (int r = 0; r < R; ++r) {
-        const __m512bh x = pair_of(as + ((R0 + r) / 16) * kBlockBytes + ((R0 + r) % 16) * 64 + p * 4);
+        const __m512bh x = pair_of(a.row(R0 + r, s) + p * 4);
         acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, b0);
         acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, b1);
       }
     }
   }
+}
+
+// The A panel's pairs, wherever they are, to `body` (a generic lambda taking PackedA or
+// DirectA).
+template <class Body>
+inline void with_a(const float* a, Body body) {
+  const auto& h = bf16_panels::header(a);
+  if (h.direct) return body(DirectA{h.rows, h.row_bytes});
+  body(PackedA{bf16_panels::panel_steps(a)});
 }
 
 // Rows R0..R0+R-1 of a tile whose scales were folded into the values.
@@ -72,7 +92,7 @@ void plain_rows(int64_t kc, const float* a, const float* b, float* c, int64_t ld
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < 2; ++h)
       acc[r][h] = accumulate ? _mm512_loadu_ps(c + (R0 + r) * ldc + 16 * h) : _mm512_setzero_ps();
-  dot_steps<R0, R>(bf16_panels::panel_steps(a), bf16_panels::panel_steps(b), 0, bf16_panels::step_count(kc), acc);
+  with_a(a, [&](const auto& src) { dot_steps<R0, R>(src, bf16_panels::panel_steps(b), 0, bf16_panels::step_count(kc), acc); });
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < 2; ++h) _mm512_storeu_ps(c + (R0 + r) * ldc + 16 * h, acc[r][h]);
 }
@@ -100,7 +120,9 @@ void promoted_rows(int64_t kc, const float* a, const float* b, float* c, int64_t
   for (int64_t s0 = 0; s0 < steps; s0 += group) {
     __m512 part[R][2];
     for (int r = 0; r < R; ++r) part[r][0] = part[r][1] = _mm512_setzero_ps();
-    dot_steps<R0, R>(bf16_panels::panel_steps(a), bf16_panels::panel_steps(b), s0, std::min(steps, s0 + group), part);
+    with_a(a, [&](const auto& src) {
+      dot_steps<R0, R>(src, bf16_panels::panel_steps(b), s0, std::min(steps, s0 + group), part);
+    });
     const float* sa_g = ha.promoted ? sa + (s0 / ga) * kMr : nullptr;
     const float* sb_g = hb.promoted ? sb + (s0 / gb) * kNr : nullptr;
     const __m512 sb0 = sb_g ? _mm512_load_ps(sb_g) : one, sb1 = sb_g ? _mm512_load_ps(sb_g + 16) : one;
@@ -157,6 +179,40 @@ void tile(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, int
 
 bool prepare(GemmOperand& a, GemmOperand& b) { return bf16_panels::prepare(a, b, kKc); }
 
+// Whether a pass's rows, row_bytes apart, spread over enough L1 sets: a step reads a line
+// of each row 16 times over, and lines 4 KiB apart share a set of the 8-way 32 KiB L1s of
+// Zen 4 (and most x86 cores). Direct rows 4 or 32 KiB apart (K = 2048 or 16384) ran 5 %
+// slower than packed ones (every row in one set); 14 KiB apart (K = 7168: six rows a set)
+// 2 % faster.
+bool rows_spread_over_sets(int64_t row_bytes) {
+  constexpr int kSets = 64, kMaxRowsPerSet = 6, kPassRows = 12;
+  int rows_in[kSets] = {};
+  for (int r = 0; r < kPassRows; ++r)
+    if (++rows_in[(r * row_bytes / 64) % kSets] > kMaxRowsPerSet) return false;
+  return true;
+}
+
+// A's panels. K-major bf16 A without scales, whole steps, rows spread over the L1 sets:
+// each full panel's header names its rows where they are stored, and the tiles broadcast
+// pairs from there (DirectA) instead of from a copy (a partial panel is packed: the passes
+// read whole passes of rows). Packing such A had been 2-3 % of bf16 M = 4096 calls on 2
+// Zen 4 cores, A being packed again for every column block.
+void pack_a(const GemmOperand& op, int64_t mn0, int64_t count, int64_t k0, int64_t kc, int width, float* out,
+            PackNext next) {
+  if (op.dtype != DType::bf16 || !op.k_major || op.sf || op.promote || kc % bf16_panels::kStep != 0 ||
+      !rows_spread_over_sets(op.ld * 2))
+    return bf16_panels::pack_a(op, mn0, count, k0, kc, width, out, next);
+  const int64_t full = count / kMr * kMr, panel = bf16_panels::panel_floats(kc, kMr);
+  for (int64_t p0 = 0; p0 < full; p0 += kMr) {
+    auto* h = reinterpret_cast<bf16_panels::PanelHeader*>(out + (p0 / kMr) * panel);
+    *h = bf16_panels::PanelHeader{};
+    h->direct = 1;
+    h->rows = op.data + ((mn0 + p0) * op.ld + k0) * 2;
+    h->row_bytes = op.ld * 2;
+  }
+  if (full < count) bf16_panels::pack_a(op, mn0 + full, count - full, k0, kc, width, out + (full / kMr) * panel, next);
+}
+
 // Small M, B K-major. Up to 4 rows of K-major A: FP8 / FP4 weights take the bf16 dot
 // products on weights decoded in registers, bf16 weights (2 to 4 rows of bf16 A, no scales)
 // the same dot products on the weights as they are, the rest the FMA kernel (B streamed
@@ -190,6 +246,7 @@ const GemmKernels& gemm_kernels_avx512_bf16() {
     GemmKernels t = bf16_panels::panel_kernels(kKc, kMc);
     t.tile = &tile;
     t.prepare = &prepare;
+    t.pack = &pack_a;
     t.small_m = &small_m;
     t.small_m_rows = bf16_panels::kStreamRows;
     t.small_m_cols = 4096;
