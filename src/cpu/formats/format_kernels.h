@@ -57,6 +57,10 @@ struct FormatKernels {
   void (*dequantize[3][2])(const uint8_t* q, void* out, int64_t n, const float* sf, int64_t gran);
   void (*f32_to_bf16)(const float* x, uint16_t* out, int64_t n);
   void (*bf16_to_f32)(const uint16_t* x, float* out, int64_t n);
+  // rows x cols of f32 (rows ldx apart) to bf16 (rows ldo apart) as f32_to_bf16, but every
+  // NaN as the canonical quiet NaN 0x7fc0 (the GEMMs' finished tiles).
+  void (*f32_rows_to_bf16_canonical)(const float* x, int64_t ldx, int64_t rows, int64_t cols, uint16_t* out,
+                                     int64_t ldo);
   // Per-block casts (many rows under one row of scales): bf16 -> e4m3 through a code table
   // per scale (formats_avx512.cpp). e4m3_tables fills kE4m3TableWords int16 per scale (or
   // marks a scale the tables cannot take, whose group then goes through the general kernel);

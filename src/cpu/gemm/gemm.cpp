@@ -134,30 +134,20 @@ void write_block_f32(const Output& out, const AccBlock& acc, int64_t m0, int64_t
   }
 }
 
-// One finished tile (a single panel of at most 32 x 32 sums, rows acc.width floats apart)
-// into bf16 D without C: canonicalised and rounded in one converter call, then copied row
-// by row. (A call per row of 32 had cost 10-13 % of bf16 4096 x 32768 x 512, whose tiles
-// are 16 steps deep; 2 Zen 4 cores.)
-constexpr int64_t kMaxTileFloats = 32 * 32;  // the largest mr x nr of the targets
+// One panel of sums (a finished tile, or a small-M block; rows acc.width floats apart) into
+// bf16 D without C: canonicalised and rounded by one converter call. (A gather, a
+// converter call and a memcpy per row of 32 had cost 10-13 % of bf16 4096 x 32768 x 512,
+// whose tiles are 16 steps deep; 2 Zen 4 cores.)
 void write_tile_bf16(const Output& out, const AccBlock& acc, int64_t m0, int64_t m1, int64_t n0, int64_t nc) {
-  const int64_t floats = (m1 - m0) * acc.width;
-  alignas(64) float sums[kMaxTileFloats];
-  alignas(64) uint16_t rounded[kMaxTileFloats];
-  for (int64_t t = 0; t < floats; ++t) sums[t] = canonical(acc.data[t]);
-  detail::format_kernels().f32_to_bf16(sums, rounded, floats);
-  for (int64_t i = m0; i < m1; ++i) {  // (a loop rather than a memcpy call per row of 64 bytes)
-    uint16_t* drow = reinterpret_cast<uint16_t*>(out.d) + i * out.ldd + n0;
-    const uint16_t* src = rounded + (i - m0) * acc.width;
-    for (int64_t t = 0; t < nc; ++t) drow[t] = src[t];
-  }
+  detail::format_kernels().f32_rows_to_bf16_canonical(acc.data, acc.width, m1 - m0, nc,
+                                                      reinterpret_cast<uint16_t*>(out.d) + m0 * out.ldd + n0, out.ldd);
 }
 
 // D rows [m0, m1) x columns [n0, n0 + nc) = acc (+ C), rounded to D's dtype, a row at a
 // time with the formats component's vector converters (f32 sum first, then one rounding).
 void write_block(const Output& out, const AccBlock& acc, int64_t m0, int64_t m1, int64_t n0, int64_t nc) {
   if (out.dtype == DType::f32 && (!out.c || out.c_dtype == DType::f32)) return write_block_f32(out, acc, m0, m1, n0, nc);
-  if (out.dtype == DType::bf16 && !out.c && nc <= acc.width && (m1 - m0) * acc.width <= kMaxTileFloats)
-    return write_tile_bf16(out, acc, m0, m1, n0, nc);
+  if (out.dtype == DType::bf16 && !out.c && nc <= acc.width) return write_tile_bf16(out, acc, m0, m1, n0, nc);
   const detail::FormatKernels& fk = detail::format_kernels();
   const size_t es = element_size(out.dtype), ces = element_size(out.c_dtype);
   constexpr int64_t kChunk = 256;
@@ -227,6 +217,7 @@ struct LastBlock {
   const Output* out;
   int64_t i0, j0;
 };
+constexpr int64_t kMaxTileFloats = 32 * 32;  // the largest mr x nr of the targets
 
 // Every tile of one row block x column block x K block: micro-panels of B (kept in L1)
 // sweep micro-panels of A (L2). Partial sums live tile-contiguous (panel-major, row stride
