@@ -1564,8 +1564,6 @@ void stream_rows(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t
   // driver hands a thread several column chunks: at 16 x 576 x 7168 FP8 on 2 threads,
   // packing A for each had been a tenth of the call).
   static thread_local uint64_t prepared_for = 0;
-  const uint64_t call = small_m_call_id();
-  const bool prepared = call != 0 && call == prepared_for;
   static thread_local Scratch buffer, scales;  // (panels start with a 64-byte aligned header)
   float* act = buffer.get(static_cast<size_t>(blocks * panel_floats(kKc, kMr)));
   float* sa = scales.get(static_cast<size_t>(groups * kMr));
@@ -1574,11 +1572,7 @@ void stream_rows(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t
   static thread_local Scratch step_tiles;
   uint8_t* narrow_tiles =
       shape == StreamShape::narrow ? reinterpret_cast<uint8_t*>(step_tiles.get(static_cast<size_t>(steps * kTileBytes / 4))) : nullptr;
-  if (!prepared) {
-    prepared_for = 0;  // (until the buffers hold this call's A)
-    prepare_stream(a, steps, group, act, sa, narrow_tiles);
-    prepared_for = call;
-  }
+  once_per_call(prepared_for, [&] { prepare_stream(a, steps, group, act, sa, narrow_tiles); });
   const Stream st{a, b, act, sa, shape, promoted, group, narrow_tiles};
   Steps products{st};
   alignas(64) float acc[kMr * kNr];
