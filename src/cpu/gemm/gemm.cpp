@@ -430,11 +430,12 @@ void run_small_m(const detail::GemmKernels& kern, const GemmOperand& a, const Ge
   const uint64_t call = ++g_small_m_calls;
   const int64_t m = a.mn, n = b.mn;
   const int64_t cols = kern.small_m_cols;  // columns per result block (bounds the f32 buffer)
-  // Chunks of whole small_m_align columns, rounded up where a call prepares A for itself
-  // (the dot paths up to kGemmSmallM rows: 4 x 576 x 7168 FP8 on avx512_bf16 ran 216 us
-  // against 234 with chunks rounded down), and down beyond, where the streaming kernels keep
-  // A for the whole call and a few more chunks balance the threads better (16 x 576 x 7168:
-  // 18 chunks of one strip instead of 9 of two for 2 threads, 489 -> 443 us).
+  // Chunks of whole small_m_align columns, rounded up for the dot paths (up to kGemmSmallM
+  // rows: 4 x 576 x 7168 FP8 on avx512_bf16 ran 216 us against 234 with chunks rounded
+  // down, measured when they still laid A out for every chunk; since session 36 they keep it
+  // per call and thread, as the streaming kernels do, and this was not measured again), and
+  // down beyond, where a few more chunks balance the threads better (16 x 576 x 7168: 18
+  // chunks of one strip instead of 9 of two for 2 threads, 489 -> 443 us).
   const int64_t claim = detail::claim_chunk(n, threads), align = kern.small_m_align;
   const int64_t chunk = m > detail::kGemmSmallM ? std::max(align, claim / align * align) : ceil_div(claim, align) * align;
   const int64_t chunks = ceil_div(n, chunk);
