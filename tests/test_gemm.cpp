@@ -1351,17 +1351,17 @@ TEST(GemmBf16Pairs, OneRowOfE4m3WeightsSameBitsAsMoreRows) {
           const Quantized qb = gran_mn == 1 ? per_token_cast_to_fp8(xb, ue8m0, 128) : per_block_cast_to_fp8(xb, ue8m0);
           GemmOptions o;
           o.recipe = Recipe{1, gran_mn, 128};
-          std::vector<Tensor> rows_of;  // D for the first 1, 2 and 4 rows of A
-          Quantized qa4;
+          std::vector<Tensor> rows_of;  // D for the first rows of A, one per entry of ms
+          Quantized qa_most;  // A's most rows, for the oracle
           const std::vector<int64_t> ms = pair_isa == Isa::avx512_bf16 ? std::vector<int64_t>{1, 2, 4} : std::vector<int64_t>{1, 2};
           for (const int64_t m : ms) {
             const Quantized qa = per_token_cast_to_fp8(xa.slice(0, 0, m), ue8m0, 128);
             rows_of.push_back(on_one_and_two_threads({m, n}, [&](const Tensor& d) { fp8_fp4_gemm_nt(qa, qb, d, Tensor(), o); }));
-            if (m == ms.back()) qa4 = qa;
+            if (m == ms.back()) qa_most = qa;
           }
           for (size_t i = 1; i < rows_of.size(); ++i)
             EXPECT_EQ(0, std::memcmp(rows_of[0].data(), rows_of[i].data(), static_cast<size_t>(n) * 4)) << "1 row vs " << rows_of[i].size(0);
-          const std::vector<double> want = ref::gemm(Layout::nt, {qa4.values, qa4.sf, 1, 128}, {qb.values, qb.sf, gran_mn, 128});
+          const std::vector<double> want = ref::gemm(Layout::nt, {qa_most.values, qa_most.sf, 1, 128}, {qb.values, qb.sf, gran_mn, 128});
           EXPECT_LE(ref::calc_diff(ref::to_f64(rows_of.back()), want), 1e-5);
         }
   }
