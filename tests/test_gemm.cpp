@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -1234,8 +1235,8 @@ TEST(GemmBf16Pairs, StreamedE4m3WeightsEveryCode) {
 // each decoder's kind (as above); a row of subnormals alone, with no zero among them (a zero
 // sends its block to the tables), and a row of the least normal code with one largest
 // subnormal, checked on their own, since next to larger codes they are too small to show;
-// K with a partial last 64-code block and partial last scale group; N ending mid-pass (8 or
-// 4 or 2 weight rows per pass); f32 and ue8m0 scales in 128 x 128 blocks and 1 x 32 groups (two
+// K with a partial last 64-code block and partial last scale group; N ending mid-pass (8,
+// 4, 5 or 4 weight rows per pass for 1 to 4 rows of A); f32 and ue8m0 scales in 128 x 128 blocks and 1 x 32 groups (two
 // groups per block). The same bits on one and two threads (1100 x 1000 weights are enough
 // for two), and a NaN code poisons its own column only.
 // An f32 D of `shape` from `call` on one thread, checked bit for bit against the same call
@@ -1280,7 +1281,7 @@ TEST(GemmBf16Pairs, FewRowsOfE4m3WeightsMatchOracle) {
   };
   uint64_t seed = 9700;
   for (const int64_t m : {1, 2, 3, 4})
-    for (const int64_t k : {64, 100, 1000})
+    for (const int64_t k : {64, 80, 100, 1000})  // (80: a last block of one group of 32)
       for (const int64_t n : {1, 13, 1100})
         for (const Config cf : {Config{false, 128, 128}, Config{true, 128, 128}, Config{true, 1, 32}, Config{false, 1, 32}}) {
           SCOPED_TRACE(std::string(cf.ue8m0 ? "ue8m0" : "f32") + " scales, gran " + std::to_string(cf.gran_mn) + " x " +
@@ -1327,7 +1328,7 @@ TEST(GemmBf16Pairs, FewRowsOfE4m3WeightsMatchOracle) {
 // One row of A against short e4m3 weight rows (K up to 1024, promotion groups of whole
 // 64-code blocks) reads two weight rows at a time with several groups' sums in flight
 // (dot_row_amx.inc: dot_few_rows); two rows of A (and on avx512_bf16 up to four; AMX's tiles
-// take three and more) take eight sums a pass (dot_rows). Both keep one chain of products
+// take three and more) take eight or more sums a pass (dot_rows). Both keep one chain of products
 // per group, promoted in group order, so a row of D must have the same bits whether A has
 // one row or more: checked against the first rows of the same call on two (and four) rows,
 // for K with whole and partial windows, groups and blocks, N ending mid-pass, weight scales
@@ -1370,7 +1371,7 @@ TEST(GemmBf16Pairs, OneRowOfE4m3WeightsSameBitsAsMoreRows) {
 // Two to four rows of bf16 A against bf16 weights take bf16 dot products on the weights as
 // they are, on avx512_bf16 (one row, and amx, the FMA kernel or the tiles: held to the
 // oracle the same way). Against the oracle element by element, within the bound for f32 sums of k terms;
-// K with partial 32- and 64-value blocks (the masked loads), N ending mid-pass (8, 4 or 2
+// K with partial 32- and 64-value blocks (the masked loads), N ending mid-pass (8, 5 or 4
 // weight rows per pass); the same bits on one and two threads; both operands as views with
 // NaN past K in each row (never read); a NaN weight poisons its own column only.
 TEST(GemmBf16Pairs, FewRowsOfBf16WeightsMatchOracle) {
@@ -1381,7 +1382,7 @@ TEST(GemmBf16Pairs, FewRowsOfBf16WeightsMatchOracle) {
     SCOPED_TRACE(isa_name(pair_isa));
     uint64_t seed = 9950;
     for (const int64_t m : {1, 2, 3, 4})
-      for (const int64_t k : {20, 64, 100, 1000})
+      for (const int64_t k : {20, 64, 84, 96, 100, 1000})  // (84, 96: a whole block, then 20 or 32 values)
         for (const int64_t n : {1, 13, 1100}) {
           SCOPED_TRACE("m " + std::to_string(m) + ", k " + std::to_string(k) + ", n " + std::to_string(n));
           // Both operands are views whose rows are k + 8 apart, the 8 values past K NaN: a read
@@ -1435,14 +1436,35 @@ TEST(GemmBf16Pairs, FewRowsOfE2m1WeightsMatchOracle) {
           for (int64_t r = 0; r < n; r += 2)  // every other row: every pair of codes in turn
             for (int64_t j = 0; j < row_bytes; ++j) codes[r * row_bytes + j] = static_cast<uint8_t>((j * 37 + r * 11) % 256);
           float* sf = qb.sf.data_ptr<float>();
-          if (n > 12) {
-            sf[9 * groups + groups - 1] = 0x1p121f;  // beyond the table's shifts: the pass goes elsewhere
-            if (!packed) sf[3 * groups] = 0.0f;      // zero: the same (packed ue8m0 has no zero)
-          }
           GemmOptions o;
           o.recipe = Recipe{1, 1, 32};
-          const Quantized b = packed ? Quantized{qb.values, pack_ue8m0_to_int(qb.sf)} : qb;
-          Tensor one = on_one_and_two_threads({m, n}, [&](const Tensor& d) { fp8_fp4_gemm_nt(qa, b, d, Tensor(), o); });
+          // Rows with a scale the dot path's table cannot take (2^121 to 2^127) go
+          // to the fallback alone: every other column keeps the dot path's bits, checked
+          // against the same call with those rows' scales left as they were (row 201: past
+          // the first column chunk of either thread count, where the passes' bounds differ).
+          // (A zero scale, or one below 2^-100, sends the whole call to the promoting paths.)
+          const auto call_b = [&] { return packed ? Quantized{qb.values, pack_ue8m0_to_int(qb.sf)} : qb; };
+          Tensor one;
+          if (n > 12) {
+            const Quantized as_cast = call_b();
+            const Tensor folded =
+                on_one_and_two_threads({m, n}, [&](const Tensor& d) { fp8_fp4_gemm_nt(qa, as_cast, d, Tensor(), o); });
+            std::vector<int64_t> unfolded_rows{9};
+            sf[9 * groups + groups - 1] = 0x1p121f;  // beyond the table's shifts: the row goes elsewhere
+            if (n > 201) sf[201 * groups + groups - 1] = 0x1p121f, unfolded_rows.push_back(201);
+            const Quantized b = call_b();
+            one = on_one_and_two_threads({m, n}, [&](const Tensor& d) { fp8_fp4_gemm_nt(qa, b, d, Tensor(), o); });
+            for (int64_t i = 0; i < m; ++i)
+              for (int64_t j = 0; j < n; ++j) {
+                if (std::find(unfolded_rows.begin(), unfolded_rows.end(), j) != unfolded_rows.end()) continue;
+                ASSERT_EQ(std::bit_cast<uint32_t>(one.data_ptr<float>()[i * n + j]),
+                          std::bit_cast<uint32_t>(folded.data_ptr<float>()[i * n + j]))
+                    << "row " << i << ", column " << j << " (next to rows whose scales do not fold)";
+              }
+            if (!packed) sf[3 * groups] = 0.0f;  // a zero scale (packed ue8m0 has none): checked below
+          }
+          const Quantized b = call_b();
+          one = on_one_and_two_threads({m, n}, [&](const Tensor& d) { fp8_fp4_gemm_nt(qa, b, d, Tensor(), o); });
           const ref::Operand ra{qa.values, qa.sf, 1, 32}, rb{qb.values, qb.sf, 1, 32};
           const std::vector<double> want = ref::gemm(Layout::nt, ra, rb);
           EXPECT_LE(ref::calc_diff(ref::to_f64(one), want), 1e-5);
