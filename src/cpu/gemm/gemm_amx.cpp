@@ -1242,7 +1242,7 @@ void take_sums(const Stream& st, bool odd, float* sums) {
 // The C tiles as stream_strip's products (StreamDp, stream_dp.inc, is the vdpbf16ps one).
 struct StreamTiles {
   static constexpr int64_t kSlice = 1;  // steps per call while the next chunk is decoded by rows
-  static constexpr bool kBf16ByRows = false;  // plain bf16 weight rows loaded where they are
+  static bool bf16_by_rows(const GemmOperand&) { return false; }  // plain bf16 weight rows loaded where they are
   const Stream& st;
   void zero() const { zero_c(); }
   void steps(bool odd, const uint8_t* w, int64_t stride, const uint8_t* x, int64_t s0, int64_t s1) const {
@@ -1578,12 +1578,12 @@ void stream_rows(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t
   alignas(64) float acc[kMr * kNr];
   std::optional<StripSource> sources[2];  // this strip's and the next one's
   auto strip_rows = [&](int64_t j0) { return static_cast<int>(std::clamp<int64_t>(n1 - j0, 0, kMr)); };
-  if (n0 < n1) sources[0].emplace(b, n0, strip_rows(n0), strip_rows(n0 + kMr), Steps::kBf16ByRows);
+  if (n0 < n1) sources[0].emplace(b, n0, strip_rows(n0), strip_rows(n0 + kMr), Steps::bf16_by_rows(b));
   StripCursor cursor;
   for (int64_t j0 = n0, i = 0; j0 < n1; j0 += kMr, i ^= 1) {
     const int rows = strip_rows(j0);
     StripSource* next = nullptr;
-    if (j0 + kMr < n1) next = &sources[i ^ 1].emplace(b, j0 + kMr, strip_rows(j0 + kMr), strip_rows(j0 + 2 * kMr), Steps::kBf16ByRows);
+    if (j0 + kMr < n1) next = &sources[i ^ 1].emplace(b, j0 + kMr, strip_rows(j0 + kMr), strip_rows(j0 + 2 * kMr), Steps::bf16_by_rows(b));
     stream_strip(st, products, *sources[i], next, cursor, acc);
     write_transposed(acc, static_cast<int>(a.mn), rows, out + (j0 - n0), ld_out);
   }
