@@ -980,8 +980,9 @@ std::vector<Isa> bf16_pair_isas() {
 // The streaming small-M paths of the bf16-pair targets (AMX tiles; on avx512_bf16 vdpbf16ps,
 // stream_dp.inc) against packed weights, which take the blocked path, on each target: 5 to
 // 32 rows of A (on avx512_bf16 256-bit, 512-bit and 512 + 256-bit lanes; 25 to 32 rows only
-// FP4 weights stream there), short and long K, and 9000 columns, so that each of two
-// threads streams several column chunks with A prepared once for all of them.
+// FP4 weights stream there), short and long K (from K = 1024 bf16 weight rows are read in
+// place, 8 a call: 7, 16 and 22 rows), and 9000 columns, so that each of two threads
+// streams several column chunks with A prepared once for all of them.
 TEST(GemmBf16Pairs, StreamedSmallMSameBitsAsPackedWeights) {
   if (bf16_pair_isas().empty()) GTEST_SKIP() << "no AVX512_BF16 or AMX-BF16 on this CPU";
   ThreadGuard guard;
@@ -991,7 +992,8 @@ TEST(GemmBf16Pairs, StreamedSmallMSameBitsAsPackedWeights) {
     ScopedIsa scoped(pair_isa);
     for (const FmtPair& pair : kPairs)
       for (auto [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{5, 9000, 260}, {12, 130, 800}, {20, 9000, 260},
-                             {24, 70, 800}, {28, 70, 800}, {32, 9000, 260}}) {
+                             {24, 70, 800}, {28, 70, 800}, {32, 9000, 260}, {7, 70, 1100}, {16, 70, 2048},
+                             {22, 40, 1536}}) {
         Case cs{Layout::nt, pair.a, pair.b, m, n, k, (seed & 1) ? DType::bf16 : DType::f32,
                 (seed % 3 == 0) ? CMode::in_place : (seed % 3 == 1) ? CMode::separate : CMode::none, (seed & 2) != 0};
         const std::vector<double> unpacked = run_case(cs, seed).got;
