@@ -1234,8 +1234,9 @@ TEST(GemmBf16Pairs, StreamedE4m3WeightsEveryCode) {
 // One to four rows of A against e4m3 weights take bf16 dot products with the weights decoded
 // in registers (one or two rows on amx, whose tiles take more; up to four on avx512_bf16;
 // the path's own order). Against the oracle: every code in rows of
-// each decoder's kind (as above); a row of subnormals alone, with no zero among them (a zero
-// sends its block to the tables), and a row of the least normal code with one largest
+// each decoder's kind (as above: for one and two rows of A, whole blocks are decoded by the
+// bit rearrangement and a (row, group) holding a special code is done again by the tables);
+// a row of subnormals alone, with no zero among them, and a row of the least normal code with one largest
 // subnormal, checked on their own, since next to larger codes they are too small to show;
 // K with a partial last 64-code block and partial last scale group; N ending mid-pass (8,
 // 4, 5 or 4 weight rows per pass for 1 to 4 rows of A); f32 and ue8m0 scales in 128 x 128 blocks and 1 x 32 groups (two
@@ -1283,7 +1284,7 @@ TEST(GemmBf16Pairs, FewRowsOfE4m3WeightsMatchOracle) {
   };
   uint64_t seed = 9700;
   for (const int64_t m : {1, 2, 3, 4})
-    for (const int64_t k : {64, 80, 100, 1000})  // (80: a last block of one group of 32)
+    for (const int64_t k : {64, 80, 100, 1000, 1100})  // (80: a last block of one group of 32; 1100: one row of A past the short rows)
       for (const int64_t n : {1, 13, 1100})
         for (const Config cf : {Config{false, 128, 128}, Config{true, 128, 128}, Config{true, 1, 32}, Config{false, 1, 32}}) {
           SCOPED_TRACE(std::string(cf.ue8m0 ? "ue8m0" : "f32") + " scales, gran " + std::to_string(cf.gran_mn) + " x " +
