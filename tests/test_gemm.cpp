@@ -1377,9 +1377,9 @@ TEST(GemmBf16Pairs, OneRowOfE4m3WeightsSameBitsAsMoreRows) {
   }
 }
 
-// Two to four rows of bf16 A against bf16 weights take bf16 dot products on the weights as
-// they are, on avx512_bf16 (one row, and amx, the FMA kernel or the tiles: held to the
-// oracle the same way). Against the oracle element by element, within the bound for f32 sums of k terms;
+// One to four rows of bf16 A against bf16 weights take bf16 dot products on the weights as
+// they are, on avx512_bf16 (amx: the FMA kernel or the tiles, held to the oracle the same
+// way). Against the oracle element by element, within the bound for f32 sums of k terms;
 // K with partial 32- and 64-value blocks (the masked loads), N ending mid-pass (8, 5 or 4
 // weight rows per pass); the same bits on one and two threads; both operands as views with
 // NaN past K in each row (never read); a NaN weight poisons its own column only.
@@ -1418,6 +1418,30 @@ TEST(GemmBf16Pairs, FewRowsOfBf16WeightsMatchOracle) {
           expect_nan_in_column_only(one, m, n, 7);
         }
   }
+}
+
+// On avx512_bf16 one row of bf16 A takes the same dot products as two to four (session
+// 38; before, one row took the f32 FMA kernel), so a row of D has the same bits whatever
+// the number of rows: checked against the first row of 2, 3 and 4 rows for K with partial
+// blocks, short rows (passes a few KiB, requested several passes ahead) and long ones, and N
+// ending mid-pass, on one and two threads.
+TEST(GemmBf16Pairs, OneRowOfBf16WeightsSameBitsAsMoreRows) {
+  if (!isa_supported(Isa::avx512_bf16)) GTEST_SKIP() << "no AVX512_BF16 on this CPU";
+  ThreadGuard guard;
+  ScopedIsa scoped(Isa::avx512_bf16);
+  uint64_t seed = 9970;
+  for (const int64_t k : {20, 100, 512, 1100, 4096})
+    for (const int64_t n : {7, 1100}) {
+      SCOPED_TRACE("k " + std::to_string(k) + ", n " + std::to_string(n));
+      const Tensor xa = random_bf16(4, k, seed++), b = random_bf16(n, k, seed++);
+      std::vector<Tensor> rows_of;
+      for (const int64_t m : {1, 2, 3, 4})
+        rows_of.push_back(on_one_and_two_threads({m, n}, [&](const Tensor& d) { bf16_gemm_nt(xa.slice(0, 0, m), b, d); }));
+      for (size_t i = 1; i < rows_of.size(); ++i)
+        EXPECT_EQ(0, std::memcmp(rows_of[0].data(), rows_of[i].data(), static_cast<size_t>(n) * 4)) << "1 row vs " << i + 1;
+      const std::vector<double> want = ref::gemm(Layout::nt, {xa.slice(0, 0, 1), Tensor(), 1, 128}, {b, Tensor(), 1, 128});
+      EXPECT_LE(ref::calc_diff(ref::to_f64(rows_of[0]), want), 1e-5);
+    }
 }
 
 // One or two rows of A (up to four on avx512_bf16) against FP4 weights with foldable
