@@ -1236,12 +1236,14 @@ TEST(GemmBf16Pairs, StreamedE4m3WeightsEveryCode) {
 // the path's own order). Against the oracle: every code in rows of
 // each decoder's kind (as above: for one and two rows of A, whole blocks are decoded by the
 // bit rearrangement and a (row, group) holding a special code is done again by the tables);
-// a row of subnormals alone, with no zero among them, and a row of the least normal code with one largest
+// a row of subnormals alone, with no zero among them, a row of zeros of both signs among
+// normal codes (element by element: a zero read as a normal code is 2^-7), and a row of the least normal code with one largest
 // subnormal, checked on their own, since next to larger codes they are too small to show;
 // K with a partial last 64-code block and partial last scale group; N ending mid-pass (8,
 // 4, 5 or 4 weight rows per pass for 1 to 4 rows of A); f32 and ue8m0 scales in 128 x 128 blocks and 1 x 32 groups (two
 // groups per block). The same bits on one and two threads (1100 x 1000 weights are enough
-// for two), and a NaN code poisons its own column only.
+// for two), and a NaN code poisons its own column only, in the last block (probed where
+// partial) and in the first (whole: marked for one and two rows of A).
 // An f32 D of `shape` from `call` on one thread, checked bit for bit against the same call
 // on two threads (the thread count is left at two).
 Tensor on_one_and_two_threads(const std::vector<int64_t>& shape, const std::function<void(const Tensor&)>& call) {
@@ -1304,6 +1306,9 @@ TEST(GemmBf16Pairs, FewRowsOfE4m3WeightsMatchOracle) {
               codes[k + j] = static_cast<uint8_t>((j % 16 < 8 ? 0 : 0x80) | (1 + j * 5 % 7));
               codes[2 * k + j] = static_cast<uint8_t>(j == k / 2 ? 0x07 : j % 3 ? 0x08 : 0x88);
             }
+          if (n > 4)  // row 4: zeros of both signs among normal codes (a zero the affine decode misread would be 2^-7)
+            for (int64_t j = 0; j < k; ++j)
+              codes[4 * k + j] = static_cast<uint8_t>(j % 4 == 0 ? (j % 8 ? 0x80 : 0x00) : ((j % 3 ? 0 : 0x80) | (0x28 + j % 40)));
           GemmOptions o;
           o.recipe = Recipe{1, cf.gran_mn, cf.gran_k};
           Tensor one = on_one_and_two_threads({m, n}, [&](const Tensor& d) { fp8_fp4_gemm_nt(qa, qb, d, Tensor(), o); });
@@ -1315,13 +1320,21 @@ TEST(GemmBf16Pairs, FewRowsOfE4m3WeightsMatchOracle) {
           const ref::Operand ra{qa.values, qa.sf, 1, cf.gran_k}, rb{qb.values, qb.sf, cf.gran_mn, cf.gran_k};
           const std::vector<double> abs_dot = ref::gemm(Layout::nt, abs_operand(ra), abs_operand(rb));
           for (int64_t i = 0; i < m; ++i)
-            for (int64_t j = 1; j < std::min<int64_t>(n, 3); ++j) {
+            for (const int64_t j : {1, 2, 4}) {
+              if (j >= n) continue;
               const auto e = static_cast<size_t>(i * n + j);
               EXPECT_NEAR(one.data_ptr<float>()[i * n + j], want[e], 2.0 * static_cast<double>(k) * 0x1p-24 * abs_dot[e])
-                  << "subnormal codes, row " << i << ", column " << j;
+                  << "subnormal or zero codes, row " << i << ", column " << j;
             }
           if (n < 13) continue;
-          codes[5 * k + k - 1] = 0xff;  // a NaN code, in the last block of a row of normal codes
+          // A NaN code among normal codes: in the last block (partial where K is not a whole
+          // number of blocks: probed), then in the first (whole: marked, for one and two rows of A).
+          const uint8_t last = codes[5 * k + k - 1];
+          codes[5 * k + k - 1] = 0xff;
+          fp8_fp4_gemm_nt(qa, qb, one, Tensor(), o);
+          expect_nan_in_column_only(one, m, n, 5);
+          codes[5 * k + k - 1] = last;
+          codes[5 * k + 3] = 0xff;
           fp8_fp4_gemm_nt(qa, qb, one, Tensor(), o);
           expect_nan_in_column_only(one, m, n, 5);
         }

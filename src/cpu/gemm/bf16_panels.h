@@ -64,7 +64,7 @@ bool prepare(GemmOperand& a, GemmOperand& b, int64_t kc);
 
 // Up to max_rows (at most 4) K-major rows of A (prepared as above) against K-major e4m3
 // weights, or e2m1 weights with folded scales: vdpbf16ps on weights decoded in registers
-// (dot_row_amx.inc); or 2 to 4 rows of bf16 A against bf16 weights, without scales, on the weights as they
+// (dot_row_amx.inc); or 1 to 4 rows of bf16 A against bf16 weights, without scales, on the weights as they
 // are. Passes of FP4 weights whose scales do not fold go to `fallback`.
 // GemmKernels::small_m's contract (dot_rows takes what dot_rows_take took); needs
 // AVX512_BF16, and VBMI and GFNI for the FP8 and FP4 weights (dot_rows_take checks).

@@ -214,7 +214,7 @@ void pack_a(const GemmOperand& op, int64_t mn0, int64_t count, int64_t k0, int64
 }
 
 // Small M, B K-major. Up to 4 rows of K-major A: FP8 / FP4 weights take the bf16 dot
-// products on weights decoded in registers, bf16 weights (2 to 4 rows of bf16 A, no scales)
+// products on weights decoded in registers, bf16 weights (1 to 4 rows of bf16 A, no scales)
 // the same dot products on the weights as they are, the rest the FMA kernel (B streamed
 // once).
 // Other calls of up to 24 rows, and of up to 32 against FP4 weights, stream the weights
