@@ -1348,8 +1348,17 @@ class StripSource {
     const int bits = b_.dtype == DType::e2m1x2 ? 4 : b_.dtype == DType::e4m3 ? 8 : 16;  // per value
     const auto bytes = [&](int64_t values) { return (values * bits + 7) / 8; };
     const int64_t after = b_.k - k0 - kChunk;  // values of the rows after this chunk
-    if (after > 0) request_rows(first_row_ + bytes(k0 + kChunk), r0, r1, bytes(std::min(kChunk, after)));
-    if (after < kChunk) request_rows(first_row_ + kMr * row_bytes_, r0, std::min(r1, next_rows_), bytes(std::min(kChunk, b_.k)));
+    const auto first = reinterpret_cast<uintptr_t>(first_row_);
+    if (after > 0) request_rows(first + bytes(k0 + kChunk), r0, r1, bytes(std::min(kChunk, after)));
+    if (after < kChunk) request_rows(first + kMr * row_bytes_, r0, std::min(r1, next_rows_), bytes(std::min(kChunk, b_.k)));
+    // Rows of at most 4 KiB: also this chunk's place two strips on (256 KiB ahead at most),
+    // where the next strip's first chunk, requested during this strip's last, came too late
+    // (session 38, 2 Zen 4 threads, from DRAM, alternated: bf16 16 x 32768 x 512 2.66-3.00 ->
+    // 2.42-2.67 ms, 8 x 65536 x 256 2.23-2.30 -> 1.97-2.19, 20 x 16384 x 768 2.45-2.49 ->
+    // 2.29-2.38; FP8 16 x 32768 x 512 2.20-2.47 -> 2.01-2.04, 16 x 7168 x 2048 1.82-2.04 ->
+    // 1.72-1.95; longer rows even, FP8 16 x 7168 x 16384 14.2-14.6 against 14.1-15.0).
+    if (row_bytes_ <= kFarRowBytes)
+      request_rows(first + static_cast<uintptr_t>(2 * kMr * row_bytes_ + bytes(k0)), r0, r1, bytes(std::min(kChunk, b_.k - k0)));
     uint32_t* out = words + r0 * kChunkWords;
     if (bf16_by_rows_) return copy_rows(first_row_ + r0 * row_bytes_ + k0 * 2, row_bytes_, r1 - r0, out);
     if (folded_e2m1_) return e2m1_rows_to_bf16(b_, j0_ + r0, r1 - r0, k0, shifts.values + r0 * kGroups, out);
@@ -1372,11 +1381,13 @@ class StripSource {
   }
 
  private:
-  // Lines [0, bytes) of rows [r0, r1) from `first`, into L2.
-  void request_rows(const uint8_t* first, int r0, int r1, int64_t bytes) const {
+  // Lines [0, bytes) of rows [r0, r1) from `first`, into L2 (addresses as integers: they
+  // may lie past B, where the requests are dropped).
+  static constexpr int64_t kFarRowBytes = 4096;
+  void request_rows(uintptr_t first, int r0, int r1, int64_t bytes) const {
     for (int r = r0; r < r1; ++r)
       for (int64_t c = 0; c < bytes; c += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(first + r * row_bytes_ + c), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(first + static_cast<uintptr_t>(r * row_bytes_ + c)), _MM_HINT_T1);
   }
 
   const GemmOperand& b_;
