@@ -1284,6 +1284,14 @@ void copy_rows(const uint8_t* src, int64_t row_bytes, int rows, uint32_t* out) {
 // One strip's weights for the tiles: rows [j0, j0 + rows) of B (rows at most the strip),
 // chunk by chunk. Whole chunks of e4m3 (raw, or with folded power-of-two scales) and of
 // folded e2m1 can also be decoded a few rows at a time (rowwise, decode_rows).
+// Lines [0, bytes) of rows [r0, r1) (row_bytes apart) from `first`, into L2. Addresses as
+// integers: they may lie past B, where the requests are dropped.
+inline void request_lines_into_l2(uintptr_t first, int64_t row_bytes, int r0, int r1, int64_t bytes) {
+  for (int r = r0; r < r1; ++r)
+    for (int64_t c = 0; c < bytes; c += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(first + static_cast<uintptr_t>(r * row_bytes + c)), _MM_HINT_T1);
+}
+
 class StripSource {
  public:
   static constexpr int kGroups = kChunk / 32;  // scale shifts per row of a chunk
@@ -1381,13 +1389,9 @@ class StripSource {
   }
 
  private:
-  // Lines [0, bytes) of rows [r0, r1) from `first`, into L2 (addresses as integers: they
-  // may lie past B, where the requests are dropped).
   static constexpr int64_t kFarRowBytes = 4096;
   void request_rows(uintptr_t first, int r0, int r1, int64_t bytes) const {
-    for (int r = r0; r < r1; ++r)
-      for (int64_t c = 0; c < bytes; c += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(first + static_cast<uintptr_t>(r * row_bytes_ + c)), _MM_HINT_T1);
+    request_lines_into_l2(first, row_bytes_, r0, r1, bytes);
   }
 
   const GemmOperand& b_;
