@@ -1233,15 +1233,15 @@ TEST(GemmBf16Pairs, StreamedE4m3WeightsEveryCode) {
 
 // One to four rows of A against e4m3 weights take bf16 dot products with the weights decoded
 // in registers (one or two rows on amx, whose tiles take more; up to four on avx512_bf16;
-// the path's own order). Against the oracle: every code in rows of
-// each decoder's kind (as above: for one and two rows of A, whole blocks are decoded by the
-// bit rearrangement and a (row, group) holding a special code is done again by the tables);
-// a row of subnormals alone, with no zero among them, a row of zeros of both signs among
-// normal codes (element by element: a zero read as a normal code is 2^-7), and a row of the least normal code with one largest
-// subnormal, checked on their own, since next to larger codes they are too small to show;
-// K with a partial last 64-code block and partial last scale group; N ending mid-pass (8,
-// 4, 5 or 4 weight rows per pass for 1 to 4 rows of A); f32 and ue8m0 scales in 128 x 128 blocks and 1 x 32 groups (two
-// groups per block). The same bits on one and two threads (1100 x 1000 weights are enough
+// the path's own order). Against the oracle: every code in rows of each decoder's kind (as
+// above: for one and two rows of A, whole blocks are decoded by the bit rearrangement and a
+// (row, group) holding a special code is done again by the tables); a row of subnormals
+// alone, with no zero among them, a row of zeros of both signs among normal codes (a zero
+// read as a normal code is 2^-7), and a row of the least normal code with one largest
+// subnormal, checked element by element, since next to larger codes they are too small to
+// show; K with a partial last 64-code block and partial last scale group; N ending mid-pass
+// (8, 4, 5 or 4 weight rows per pass for 1 to 4 rows of A); f32 and ue8m0 scales in 128 x
+// 128 blocks and 1 x 32 groups (two groups per block). The same bits on one and two threads (1100 x 1000 weights are enough
 // for two), and a NaN code poisons its own column only, in the last block (probed where
 // partial) and in the first (whole: marked for one and two rows of A).
 // An f32 D of `shape` from `call` on one thread, checked bit for bit against the same call
