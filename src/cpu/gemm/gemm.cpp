@@ -13,6 +13,7 @@
 #include "moekit/gemm.h"
 
 #include <omp.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -42,13 +43,24 @@ using detail::GemmOperand;
 enum class Side : uint8_t { n, t };  // the layout letter of one operand
 
 // Columns of B packed at a time: as many as possible up to kNcMax (fewer A re-packs),
-// split evenly, and bounded so one thread's f32 partial sums stay within kAccBytes. 8 MiB
-// rather than 32 (until 2026-12-04): two threads' sums and B blocks then stay in a 32 MiB
-// L3. bf16 M = 4096 on 2 Zen 4 cores (alternated, second calls): 4096 x 4096 x 7168 418 ->
-// 428 GFLOP/s (first calls 338 -> 375-399, fewer fresh pages), 7168 x 16384 420 -> 427,
-// 2112 x 7168 within noise (416 -> 418-421), for an A re-packed once per column block.
+// split evenly, and bounded so one thread's f32 partial sums stay within acc_bytes(): a
+// quarter of the L3, at least 8 MiB. On a 32 MiB L3 that is 8 MiB rather than 32 (until
+// 2026-12-04): two threads' sums and B blocks then stay in the L3. bf16 M = 4096 on 2 Zen 4
+// cores (alternated, second calls): 4096 x 4096 x 7168 418 -> 428 GFLOP/s (first calls 338
+// -> 375-399, fewer fresh pages), 7168 x 16384 420 -> 427, 2112 x 7168 within noise (416 ->
+// 418-421), for an A re-packed once per column block. On the 2-vCPU AMX Xeon (480 MiB L3,
+// session 39), 120 MiB instead of 8 lets a thread's 2048 rows take up to kNcMax columns, so
+// A is packed once per K block rather than once per 1024 columns: bf16 4096 x 7168 x 2048
+// 53.7-55.6 -> 50.2-50.5 ms, 2112 x 7168 68-71 -> 60 ms, 24576 x 1536 186 -> 176-177 ms,
+// FP8 2112 x 7168 71.8-72.6 -> 68.4-68.9 ms (alternated medians; 576 and 4096 x 7168 even).
 constexpr int64_t kNcMax = 4096;
-constexpr int64_t kAccBytes = int64_t{8} << 20;
+int64_t acc_bytes() {
+  static const int64_t bytes = [] {
+    const long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);  // (0 or -1 where unknown)
+    return std::max<int64_t>(int64_t{8} << 20, l3 > 0 ? l3 / 4 : 0);
+  }();
+  return bytes;
+}
 
 struct Output {
   uint8_t* d = nullptr;
@@ -181,7 +193,7 @@ void write_block(const Output& out, const AccBlock& acc, int64_t m0, int64_t m1,
 
 // One thread's rectangle [m0, m1) x [n0, n1) of D.
 int64_t column_block(int64_t rows, int64_t cols, int nr) {
-  const int64_t cap = std::max<int64_t>(nr, std::min(kNcMax, kAccBytes / (4 * std::max<int64_t>(rows, 1))) / nr * nr);
+  const int64_t cap = std::max<int64_t>(nr, std::min(kNcMax, acc_bytes() / (4 * std::max<int64_t>(rows, 1))) / nr * nr);
   return ceil_div(ceil_div(cols, ceil_div(cols, cap)), nr) * nr;
 }
 
