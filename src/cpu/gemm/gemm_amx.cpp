@@ -1281,9 +1281,6 @@ void copy_rows(const uint8_t* src, int64_t row_bytes, int rows, uint32_t* out) {
       _mm512_store_si512(reinterpret_cast<uint8_t*>(out + r * kChunkWords) + i, _mm512_loadu_si512(src + r * row_bytes + i));
 }
 
-// One strip's weights for the tiles: rows [j0, j0 + rows) of B (rows at most the strip),
-// chunk by chunk. Whole chunks of e4m3 (raw, or with folded power-of-two scales) and of
-// folded e2m1 can also be decoded a few rows at a time (rowwise, decode_rows).
 // Lines [0, bytes) of rows [r0, r1) (row_bytes apart) from `first`, into L2. Addresses as
 // integers: they may lie past B, where the requests are dropped.
 inline void request_lines_into_l2(uintptr_t first, int64_t row_bytes, int r0, int r1, int64_t bytes) {
@@ -1292,6 +1289,9 @@ inline void request_lines_into_l2(uintptr_t first, int64_t row_bytes, int r0, in
       _mm_prefetch(reinterpret_cast<const char*>(first + static_cast<uintptr_t>(r * row_bytes + c)), _MM_HINT_T1);
 }
 
+// One strip's weights for the tiles: rows [j0, j0 + rows) of B (rows at most the strip),
+// chunk by chunk. Whole chunks of e4m3 (raw, or with folded power-of-two scales) and of
+// folded e2m1 can also be decoded a few rows at a time (rowwise, decode_rows).
 class StripSource {
  public:
   static constexpr int kGroups = kChunk / 32;  // scale shifts per row of a chunk
