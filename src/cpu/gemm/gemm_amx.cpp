@@ -1051,10 +1051,33 @@ void request_during_tiles(const GemmOperand& op, int64_t mn0, int count, int64_t
   t_tile_requests.emplace(op, mn0, count, first, k_bytes(op, k0 + kc) - first, tiles * step_count(tile_kc));
 }
 
+// What the next tile requests into L2 meanwhile (request_during_tile): `lines` lines from
+// `next`, `per_step` a step.
+struct TileRequests {
+  const char* next = nullptr;
+  int64_t lines = 0, per_step = 0;
+  void start(int64_t steps) {
+    if (lines > 0) per_step = (lines + steps - 1) / std::max<int64_t>(1, steps);
+  }
+  void step() {
+    const int64_t n = std::min(lines, per_step);
+    for (int64_t l = 0; l < n; ++l) _mm_prefetch(next + l * 64, _MM_HINT_T1);
+    next += n * 64;
+    lines -= n;
+  }
+};
+thread_local TileRequests t_requests;
+
+void request_during_tile(const void* p, int64_t bytes) {
+  t_requests.next = static_cast<const char*>(p);
+  t_requests.lines = (bytes + 63) / 64;
+}
+
 // C tiles += steps [s0, s1) of the panels.
 template <Hint kHint>
 inline void run_steps(const uint8_t* a, const uint8_t* b, int64_t s0, int64_t s1) {
   for (int64_t s = s0; s < s1; ++s) {
+    if (t_requests.lines > 0) t_requests.step();
     load_step<kHint>(a + s * 2 * kTileBytes, b + s * 2 * kTileBytes);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
@@ -1105,6 +1128,7 @@ void promoted_tile(int64_t kc, const float* a, const float* b, float* c, int64_t
   const auto& hb = *reinterpret_cast<const PanelHeader*>(b);
   const int64_t steps = step_count(kc);
   const int64_t ga = ha.promoted ? ha.group_steps : steps, gb = hb.promoted ? hb.group_steps : steps;
+  t_requests.start(steps);
   promote_groups(
       steps, std::min(ga, gb), ha.promoted ? a + scales_offset(kc) : nullptr, ga, hb.promoted ? b + scales_offset(kc) : nullptr,
       gb, [&](int64_t s0, int64_t s1) { run_steps<Hint::none>(panel_steps(a), panel_steps(b), s0, s1); }, c, ldc, accumulate);
@@ -1116,6 +1140,7 @@ void full_tile(int64_t kc, const float* a, const float* b, float* c, int64_t ldc
   const int64_t stride = ldc * 4;
   if (accumulate) load_c(c, stride);
   else zero_c();
+  t_requests.start(step_count(kc));
   run_hinted_steps(panel_steps(a), panel_steps(b), 0, step_count(kc));
   store_c(c, stride);
 }
@@ -1852,6 +1877,7 @@ const GemmKernels& gemm_kernels_amx() {
     t.tile = &tile;
     // ldtilecfg per tile had been 10-18 % of a k-grouped call (K = 512: a tile is 16 steps).
     t.begin_tiles = &begin_tiles;
+    t.request_during_tile = &request_during_tile;
     t.medium_m = &medium_m;
     t.medium_m_takes = &medium_m_takes;
     t.prepare = &prepare;

@@ -88,6 +88,9 @@ struct GemmKernels {
   // The AMX target loads its tile configuration here (once per sweep rather than once per
   // tile) and hints the streamed operand's loads.
   void (*begin_tiles)(bool b_streams) = nullptr;
+  // Asks for `bytes` bytes from p into L2, spread over the steps of the next tile() call
+  // (null: the target takes no such requests).
+  void (*request_during_tile)(const void* p, int64_t bytes) = nullptr;
   // Medium M (small_m_rows < a.mn, where medium_m_takes the operands): the same sums as the
   // blocked path, for columns [n0, n1), handed to `sink` a block of columns at a time
   // (res[i * ld_res + j - j0] for rows i < a.mn, columns [j0, j0 + cols)). Null where the
