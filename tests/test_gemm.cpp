@@ -1274,6 +1274,38 @@ void expect_nan_in_column_only(const Tensor& got, int64_t m, int64_t n, int64_t 
       EXPECT_EQ(std::isnan(got.data_ptr<float>()[i * n + j]), j == column) << "row " << i << ", column " << j;
 }
 
+// The blocked path's tiles run in passes of 512 K on AMX (gemm.cpp: sweep_in_passes), their
+// sums leaving the tiles between passes; the bits must be those of whole tiles, which the
+// streaming (up to 32 rows) and medium-M (33 to 256) paths keep: the first rows of a 300-row
+// call (blocked) against 32- and 100-row calls, for K with a partial last pass (1500), more
+// than one K block (2600) and N ending mid-panel; bf16 and FP8 with folded (ue8m0) scales,
+// D as f32; on one and two threads; and against the oracle.
+TEST(GemmAmx, BlockedPassesSameBitsAsFewerRows) {
+  if (!isa_supported(Isa::amx)) GTEST_SKIP() << "no AMX-BF16 (or not granted) on this CPU";
+  ScopedIsa amx(Isa::amx);
+  ThreadGuard guard;
+  const int64_t n = 200;
+  uint64_t seed = 9400;
+  for (const int64_t k : {1500, 2600})
+    for (const bool fp8 : {false, true}) {
+      SCOPED_TRACE("k " + std::to_string(k) + (fp8 ? ", fp8 ue8m0" : ", bf16"));
+      const Tensor xa = random_bf16(300, k, seed++), xb = random_bf16(n, k, seed++);
+      const Quantized qa = per_token_cast_to_fp8(xa, true), qb = per_block_cast_to_fp8(xb, true);
+      auto rows = [&](int64_t m) {
+        return on_one_and_two_threads({m, n}, [&](const Tensor& d) {
+          if (fp8) fp8_gemm_nt(Quantized{qa.values.slice(0, 0, m), qa.sf.slice(0, 0, m)}, qb, d);
+          else bf16_gemm_nt(xa.slice(0, 0, m), xb, d);
+        });
+      };
+      const Tensor all = rows(300);
+      for (const int64_t m : {32, 100})
+        EXPECT_EQ(0, std::memcmp(all.data(), rows(m).data(), static_cast<size_t>(m * n) * 4)) << m << " rows";
+      const std::vector<double> want = fp8 ? ref::gemm(Layout::nt, {qa.values, qa.sf, 1, 128}, {qb.values, qb.sf, 128, 128})
+                                           : ref::gemm(Layout::nt, {xa, Tensor(), 1, 128}, {xb, Tensor(), 1, 128});
+      EXPECT_LE(ref::calc_diff(ref::to_f64(all), want), 1e-5);
+    }
+}
+
 TEST(GemmBf16Pairs, FewRowsOfE4m3WeightsMatchOracle) {
   if (bf16_pair_isas().empty()) GTEST_SKIP() << "no AVX512_BF16 or AMX-BF16 on this CPU";
   ThreadGuard guard;

@@ -51,6 +51,12 @@ constexpr int kTileBytes = bf16_panels::kBlockBytes;  // an AMX tile: 16 rows x 
 // x 7168: 1.42 TF/s at 256, 1.77 at 1024, 1.94 at 2048 (mc 96); mc 192: 2.17.
 constexpr int64_t kKc = bf16_panels::kMaxKc;
 constexpr int64_t kMc = 192;
+// Passes (GemmKernels::pass_k): 16 steps, so that a B panel's pass (32 KiB) stays in the 48
+// KiB L1 while the column's A panels stream past it (with the no-reuse hint). On 1 thread of
+// the AMX Xeon, bf16 2048 x 2112 x 7168: whole 64-step tiles 54.6-57.2 ms, passes of 8
+// steps 52.5-53.3, 12 44.0-46.4, 16 44.2-48.2, 20 48.5-49.2, 24 56.1-57.8 (B's pass no
+// longer in L1). With K blocks of 1024 and 256-512 rows (more tiles per pass) no faster.
+constexpr int64_t kPassK = 16 * bf16_panels::kStep;
 // Rows of A that take medium_m: at 256 x 7168 x 2048 (2 threads) it took 3.0-3.1 ms against
 // 4.3-4.5 on the blocked path (bf16; FP8 4.0 against 4.8); at 384 x 4096 x 7168 about even.
 constexpr int64_t kMediumM = 256;
@@ -1093,18 +1099,18 @@ inline void run_hinted_steps(const uint8_t* a, const uint8_t* b, int64_t s0, int
 // Promoted: the tiles sum one K group (the finer of the two operands' groups) at a time
 // from zero; each group's sums go to memory and are promoted in f32 with AVX-512,
 // acc = fma(partial, sa[i] · sb[j], acc) (an operand that is not promoted has scale 1).
-// steps: the tile's step count; group: steps per promotion group; sa / sb: the row and
-// column operands' scales, kMr per group of ga / gb steps (null: not promoted); run(s0, s1)
-// adds steps [s0, s1) to the C tiles.
+// [first, steps): the tile's steps (first a multiple of group: passes); group: steps per
+// promotion group; sa / sb: the row and column operands' scales, kMr per group of ga / gb
+// steps (null: not promoted); run(s0, s1) adds steps [s0, s1) to the C tiles.
 template <class Steps>
-void promote_groups(int64_t steps, int64_t group, const float* sa, int64_t ga, const float* sb, int64_t gb, Steps run,
-                    float* c, int64_t ldc, bool accumulate) {
+void promote_groups(int64_t first, int64_t steps, int64_t group, const float* sa, int64_t ga, const float* sb,
+                    int64_t gb, Steps run, float* c, int64_t ldc, bool accumulate) {
   alignas(64) float acc[kMr * kNr], part[kMr * kNr];
   for (int i = 0; i < kMr; ++i)
     for (int h = 0; h < 2; ++h)
       _mm512_store_ps(acc + i * kNr + 16 * h, accumulate ? _mm512_loadu_ps(c + i * ldc + 16 * h) : _mm512_setzero_ps());
   const __m512 one = _mm512_set1_ps(1.0f);
-  for (int64_t s0 = 0; s0 < steps; s0 += group) {
+  for (int64_t s0 = first; s0 < steps; s0 += group) {
     zero_c();
     run(s0, std::min(steps, s0 + group));
     store_c(part, kNr * 4);
@@ -1123,25 +1129,29 @@ void promote_groups(int64_t steps, int64_t group, const float* sa, int64_t ga, c
     for (int h = 0; h < 2; ++h) _mm512_storeu_ps(c + i * ldc + 16 * h, _mm512_load_ps(acc + i * kNr + 16 * h));
 }
 
-void promoted_tile(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, bool accumulate) {
+// Steps [s0, s1) of a tile whose panels are kc deep.
+void promoted_tile(int64_t kc, const float* a, const float* b, int64_t s0, int64_t s1, float* c, int64_t ldc,
+                   bool accumulate) {
   const auto& ha = *reinterpret_cast<const PanelHeader*>(a);
   const auto& hb = *reinterpret_cast<const PanelHeader*>(b);
   const int64_t steps = step_count(kc);
   const int64_t ga = ha.promoted ? ha.group_steps : steps, gb = hb.promoted ? hb.group_steps : steps;
-  t_requests.start(steps);
+  t_requests.start(s1 - s0);
   promote_groups(
-      steps, std::min(ga, gb), ha.promoted ? a + scales_offset(kc) : nullptr, ga, hb.promoted ? b + scales_offset(kc) : nullptr,
-      gb, [&](int64_t s0, int64_t s1) { run_steps<Hint::none>(panel_steps(a), panel_steps(b), s0, s1); }, c, ldc, accumulate);
+      s0, s1, std::min(ga, gb), ha.promoted ? a + scales_offset(kc) : nullptr, ga,
+      hb.promoted ? b + scales_offset(kc) : nullptr, gb,
+      [&](int64_t g0, int64_t g1) { run_steps<Hint::none>(panel_steps(a), panel_steps(b), g0, g1); }, c, ldc, accumulate);
 }
 
-void full_tile(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, bool accumulate) {
+void full_tile(int64_t kc, const float* a, const float* b, int64_t s0, int64_t s1, float* c, int64_t ldc,
+               bool accumulate) {
   if (reinterpret_cast<const PanelHeader*>(a)->promoted || reinterpret_cast<const PanelHeader*>(b)->promoted)
-    return promoted_tile(kc, a, b, c, ldc, accumulate);
+    return promoted_tile(kc, a, b, s0, s1, c, ldc, accumulate);
   const int64_t stride = ldc * 4;
   if (accumulate) load_c(c, stride);
   else zero_c();
-  t_requests.start(step_count(kc));
-  run_hinted_steps(panel_steps(a), panel_steps(b), 0, step_count(kc));
+  t_requests.start(s1 - s0);
+  run_hinted_steps(panel_steps(a), panel_steps(b), s0, s1);
   store_c(c, stride);
 }
 
@@ -1150,15 +1160,28 @@ void begin_tiles(bool b_streams) {
   t_b_streams = b_streams;
 }
 
-// (The driver calls begin_tiles first.)
-void tile(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, int rows, int cols, bool accumulate) {
-  if (rows == kMr && cols == kNr) return full_tile(kc, a, b, c, ldc, accumulate);
+// (The driver calls begin_tiles first.) GemmKernels::tile_steps: K [k0, k1) of the block.
+void tile_steps(int64_t kc, const float* a, const float* b, int64_t k0, int64_t k1, float* c, int64_t ldc, int rows,
+                int cols, bool accumulate) {
+  const int64_t s0 = k0 / kStep, s1 = step_count(k1);
+  if (rows == kMr && cols == kNr) return full_tile(kc, a, b, s0, s1, c, ldc, accumulate);
   // Partial tile: the full one on a scratch copy (padded panel rows and columns are zero).
   alignas(64) float scratch[kMr * kNr];
   if (accumulate)
     for (int i = 0; i < rows; ++i) std::memcpy(scratch + i * kNr, c + i * ldc, static_cast<size_t>(cols) * 4);
-  full_tile(kc, a, b, scratch, kNr, accumulate);
+  full_tile(kc, a, b, s0, s1, scratch, kNr, accumulate);
   for (int i = 0; i < rows; ++i) std::memcpy(c + i * ldc, scratch + i * kNr, static_cast<size_t>(cols) * 4);
+}
+
+// Promoted tiles send their sums out every K group and load both panels without hints;
+// in passes they ran slower: FP8 (1,128,128) 4096 x 2112 x 7168 with f32 scales, 2
+// threads, alternated: 69.8-72.8 ms against 66.3-68.1 as whole tiles.
+bool passes_take(const float* a, const float* b) {
+  return !reinterpret_cast<const PanelHeader*>(a)->promoted && !reinterpret_cast<const PanelHeader*>(b)->promoted;
+}
+
+void tile(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, int rows, int cols, bool accumulate) {
+  tile_steps(kc, a, b, 0, kc, c, ldc, rows, cols, accumulate);
 }
 
 // ---------------------------------------------------------------- small M: weights streamed
@@ -1682,7 +1705,7 @@ void rows_tile(int64_t kc, const RowChunks& w, const float* w_scales, int64_t w_
   if (w_scales || hb.promoted) {
     const int64_t steps = step_count(kc), ga = w_scales ? w_group_steps : steps, gb = hb.promoted ? hb.group_steps : steps;
     return promote_groups(
-        steps, std::min(ga, gb), w_scales, ga, hb.promoted ? b + scales_offset(kc) : nullptr, gb,
+        0, steps, std::min(ga, gb), w_scales, ga, hb.promoted ? b + scales_offset(kc) : nullptr, gb,
         [&](int64_t s0, int64_t s1) { rows_steps(w, bs, s0, s1); }, c, kNr, accumulate);
   }
   if (accumulate) load_c(c, kNr * 4);
@@ -1878,6 +1901,9 @@ const GemmKernels& gemm_kernels_amx() {
     // ldtilecfg per tile had been 10-18 % of a k-grouped call (K = 512: a tile is 16 steps).
     t.begin_tiles = &begin_tiles;
     t.request_during_tile = &request_during_tile;
+    t.tile_steps = &tile_steps;
+    t.pass_k = kPassK;
+    t.passes_take = &passes_take;
     t.medium_m = &medium_m;
     t.medium_m_takes = &medium_m_takes;
     t.prepare = &prepare;
