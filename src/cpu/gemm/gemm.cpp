@@ -233,6 +233,9 @@ struct LastBlock {
 };
 constexpr int64_t kMaxTileFloats = 32 * 32;  // the largest mr x nr of the targets
 
+void sweep_in_passes(const detail::GemmKernels& kern, const float* pa, const float* pb, int64_t mc, int64_t nc,
+                     int64_t kc, float* acc, int64_t panel_stride, bool accumulate, const LastBlock* last);
+
 // Every tile of one row block x column block x K block: micro-panels of B (kept in L1)
 // sweep micro-panels of A (L2). Partial sums live tile-contiguous (panel-major, row stride
 // nr) so the sweep walks memory linearly; the buffer is larger than the caches, so the
@@ -254,9 +257,6 @@ constexpr int64_t kMaxTileFloats = 32 * 32;  // the largest mr x nr of the targe
 // threads, alternated minima: bf16 4096 x 7168 x 2048 53.8-54.7 -> 47.8-48.3 ms, 4096 x
 // 2112 x 7168 57.2-58.5 -> 55.0-56.9; FP8 (1,128,128) f32 scales 4096 x 2112 x 7168
 // 72.7-73.1 -> 68.8-69.9, ue8m0 4096 x 7168 x 2048 53.2-53.9 -> 49.1-49.6 (same bits).
-void sweep_in_passes(const detail::GemmKernels& kern, const float* pa, const float* pb, int64_t mc, int64_t nc,
-                     int64_t kc, float* acc, int64_t panel_stride, bool accumulate, const LastBlock* last);
-
 void sweep(const detail::GemmKernels& kern, const float* pa, const float* pb, int64_t mc, int64_t nc, int64_t kc,
            float* acc, int64_t panel_stride, bool accumulate, const LastBlock* last = nullptr) {
   if (kern.begin_tiles) kern.begin_tiles(false);  // a new A panel per tile

@@ -88,18 +88,20 @@ struct GemmKernels {
   // The AMX target loads its tile configuration here (once per sweep rather than once per
   // tile) and hints the streamed operand's loads.
   void (*begin_tiles)(bool b_streams) = nullptr;
-  // Asks for `bytes` bytes from p into L2, spread over the steps of the next tile() call
-  // (null: the target takes no such requests).
+  // Asks for `bytes` bytes from p into L2, spread over the steps of the next tile() or
+  // tile_steps() call (null: the target takes no such requests).
   void (*request_during_tile)(const void* p, int64_t bytes) = nullptr;
   // Passes: where set, the driver runs a K block's tiles pass_k deep at a time, one column
   // of tiles (a B panel) after another, so that the B panel's pass is reused from L1 by
   // every tile of the column; the sums go through c between passes (f32, exact: the same
   // bits as whole tiles). tile_steps is tile() over K [k0, k1) of the block (k0 a multiple
-  // of pass_k, pass_k a multiple of every promotion group); null: whole tiles.
+  // of pass_k, which is a multiple of the target's K step); null: whole tiles. passes_take
+  // says whether panels like these take passes (AMX: not promoted ones, whose K groups
+  // would otherwise have to divide pass_k).
   void (*tile_steps)(int64_t kc, const float* a, const float* b, int64_t k0, int64_t k1, float* c, int64_t ldc,
                      int rows, int cols, bool accumulate) = nullptr;
   int64_t pass_k = 0;
-  bool (*passes_take)(const float* a_panel, const float* b_panel) = nullptr;  // (null: all)
+  bool (*passes_take)(const float* a_panel, const float* b_panel) = nullptr;  // (null: all panels)
   // Medium M (small_m_rows < a.mn, where medium_m_takes the operands): the same sums as the
   // blocked path, for columns [n0, n1), handed to `sink` a block of columns at a time
   // (res[i * ld_res + j - j0] for rows i < a.mn, columns [j0, j0 + cols)). Null where the
