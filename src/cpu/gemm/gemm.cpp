@@ -236,6 +236,30 @@ constexpr int64_t kMaxTileFloats = 32 * 32;  // the largest mr x nr of the targe
 void sweep_in_passes(const detail::GemmKernels& kern, const float* pa, const float* pb, int64_t mc, int64_t nc,
                      int64_t kc, float* acc, int64_t panel_stride, bool accumulate, const LastBlock* last);
 
+// The B panel after a column's (GemmKernels::request_during_tile), requested in equal
+// shares before each of the column's `calls` tile calls.
+class NextBPanelRequests {
+ public:
+  NextBPanelRequests(const detail::GemmKernels& kern, int64_t kc, int64_t calls)
+      : kern_(kern), bytes_(panels_floats(kern, 1, kc, kern.nr) * 4), share_(ceil_div(bytes_, calls * 64) * 64) {}
+  // Before the column at bp starts (last: no panel after it).
+  void column(const float* bp, bool last) {
+    next_ = reinterpret_cast<const uint8_t*>(bp) + bytes_;
+    requested_ = last || !kern_.request_during_tile ? bytes_ : 0;
+  }
+  // Before a tile call covering k of K.
+  void before_tile(int64_t k) {
+    if (requested_ >= bytes_) return;
+    kern_.request_during_tile(next_ + requested_, std::min(share_, bytes_ - requested_), k);
+    requested_ += share_;
+  }
+
+ private:
+  const detail::GemmKernels& kern_;
+  int64_t bytes_, share_, requested_ = 0;
+  const uint8_t* next_ = nullptr;
+};
+
 // Every tile of one row block x column block x K block: micro-panels of B (kept in L1)
 // sweep micro-panels of A (L2). Partial sums live tile-contiguous (panel-major, row stride
 // nr) so the sweep walks memory linearly; the buffer is larger than the caches, so the
@@ -265,9 +289,11 @@ void sweep(const detail::GemmKernels& kern, const float* pa, const float* pb, in
     return sweep_in_passes(kern, pa, pb, mc, nc, kc, acc, panel_stride, accumulate, last);
   alignas(64) float scratch[kMaxTileFloats];
   const bool to_scratch = last && !accumulate && kern.mr * kern.nr <= kMaxTileFloats;
+  NextBPanelRequests next_b(kern, kc, ceil_div(mc, kern.mr));
   for (int64_t jr = 0; jr < nc; jr += kern.nr) {
     const int cols = static_cast<int>(std::min<int64_t>(kern.nr, nc - jr));
     const float* bp = pb + panels_floats(kern, jr / kern.nr, kc, kern.nr);
+    next_b.column(bp, jr + kern.nr >= nc);
     for (int64_t ir = 0; ir < mc; ir += kern.mr) {
       const int r = static_cast<int>(std::min<int64_t>(kern.mr, mc - ir));
       float* c_tile = to_scratch ? scratch : acc + (jr / kern.nr) * panel_stride + ir * kern.nr;
@@ -280,13 +306,7 @@ void sweep(const detail::GemmKernels& kern, const float* pa, const float* pb, in
           request_d(*last->out, last->i0 + ni, std::min<int64_t>(kern.mr, mc - ni), last->j0 + nj,
                     std::min<int64_t>(kern.nr, nc - nj), kern.d_requests_into_l2);
       }
-      if (kern.request_during_tile && jr + kern.nr < nc) {  // the next B panel, a share per tile (see above)
-        const int64_t panel_bytes = panels_floats(kern, 1, kc, kern.nr) * 4, tiles = ceil_div(mc, kern.mr);
-        const int64_t share = ceil_div(panel_bytes, tiles * 64) * 64, from = (ir / kern.mr) * share;
-        if (from < panel_bytes)
-          kern.request_during_tile(reinterpret_cast<const uint8_t*>(bp + panels_floats(kern, 1, kc, kern.nr)) + from,
-                                   std::min(share, panel_bytes - from));
-      }
+      next_b.before_tile(kc);
       kern.tile(kc, pa + panels_floats(kern, ir / kern.mr, kc, kern.mr), bp, c_tile, kern.nr, r, cols, accumulate);
       if (last) write_block(*last->out, {c_tile, kern.nr, 0}, last->i0 + ir, last->i0 + ir + r, last->j0 + jr, cols);
     }
@@ -305,27 +325,22 @@ void sweep(const detail::GemmKernels& kern, const float* pa, const float* pb, in
 // even to 6 % slower (44.8 against 42.3 ms at 7168 x 2048), so they are not requested.
 void sweep_in_passes(const detail::GemmKernels& kern, const float* pa, const float* pb, int64_t mc, int64_t nc,
                      int64_t kc, float* acc, int64_t panel_stride, bool accumulate, const LastBlock* last) {
-  const int64_t tiles = ceil_div(mc, kern.mr), passes = ceil_div(kc, kern.pass_k);
-  const int64_t panel_bytes = panels_floats(kern, 1, kc, kern.nr) * 4;
-  const int64_t share = ceil_div(panel_bytes, tiles * passes * 64) * 64;  // of the next B panel, per tile and pass
+  const int64_t tiles = ceil_div(mc, kern.mr);
+  NextBPanelRequests next_b(kern, kc, tiles * ceil_div(kc, kern.pass_k));
   const bool to_scratch = last && !accumulate;
   float* column = to_scratch ? thread_buffers().column.get(static_cast<size_t>(tiles * kern.mr * kern.nr)) : nullptr;
   for (int64_t jr = 0; jr < nc; jr += kern.nr) {
     const int cols = static_cast<int>(std::min<int64_t>(kern.nr, nc - jr));
     const float* bp = pb + panels_floats(kern, jr / kern.nr, kc, kern.nr);
-    const uint8_t* next_b = reinterpret_cast<const uint8_t*>(bp + panels_floats(kern, 1, kc, kern.nr));
+    next_b.column(bp, jr + kern.nr >= nc);
     float* c_column = to_scratch ? column : acc + (jr / kern.nr) * panel_stride;
-    int64_t requested = 0;
     for (int64_t k0 = 0; k0 < kc; k0 += kern.pass_k) {
       const int64_t k1 = std::min(kc, k0 + kern.pass_k);
       const bool first = k0 == 0, final = k1 == kc;
       for (int64_t ir = 0; ir < mc; ir += kern.mr) {
         const int r = static_cast<int>(std::min<int64_t>(kern.mr, mc - ir));
         float* c_tile = c_column + ir * kern.nr;
-        if (kern.request_during_tile && jr + kern.nr < nc && requested < panel_bytes) {
-          kern.request_during_tile(next_b + requested, std::min(share, panel_bytes - requested));
-          requested += share;
-        }
+        next_b.before_tile(k1 - k0);
         kern.tile_steps(kc, pa + panels_floats(kern, ir / kern.mr, kc, kern.mr), bp, k0, k1, c_tile, kern.nr, r, cols,
                         accumulate || !first);
         if (final && last) write_block(*last->out, {c_tile, kern.nr, 0}, last->i0 + ir, last->i0 + ir + r, last->j0 + jr, cols);

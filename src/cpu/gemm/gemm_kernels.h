@@ -88,9 +88,9 @@ struct GemmKernels {
   // The AMX target loads its tile configuration here (once per sweep rather than once per
   // tile) and hints the streamed operand's loads.
   void (*begin_tiles)(bool b_streams) = nullptr;
-  // Asks for `bytes` bytes from p into L2, spread over the steps of the next tile() or
-  // tile_steps() call (null: the target takes no such requests).
-  void (*request_during_tile)(const void* p, int64_t bytes) = nullptr;
+  // Asks for `bytes` bytes from p into L2, spread over the next tile() or tile_steps() call,
+  // which covers k of K (null: the target takes no such requests).
+  void (*request_during_tile)(const void* p, int64_t bytes, int64_t k) = nullptr;
   // Passes: where set, the driver runs a K block's tiles pass_k deep at a time, one column
   // of tiles (a B panel) after another, so that the B panel's pass is reused from L1 by
   // every tile of the column; the sums go through c between passes (f32, exact: the same
