@@ -1171,6 +1171,46 @@ TEST(GemmAmx, MediumMOneOperandPromoted) {
   }
 }
 
+// The blocked path's tiles run in passes of 512 K on AMX (gemm.cpp: sweep_in_passes), their
+// sums leaving the tiles between passes; the bits must be those of whole tiles, which the
+// streaming (up to 32 rows) and medium-M (33 to 256) paths keep: the first rows of a 300-row
+// call (blocked) against 32- and 100-row calls, bf16 D (f32 D without C would take
+// sweep_into_d's whole tiles), on one and two threads. K = 1500 and 2000: one K block with a
+// partial last pass; 2600: a second block of 552 (its last pass 40 deep, mid-step). N = 200
+// ends mid-panel; with N = 1000 one thread's partial sums (300 x 1024 f32) pass 1 MiB, so
+// the last K block finishes its tiles into D after the final pass: from a scratch column
+// (K = 2000) or from the sums (2600). bf16 and FP8 with folded (ue8m0) scales; the N = 200
+// cases also against the oracle.
+TEST(GemmAmx, BlockedPassesSameBitsAsFewerRows) {
+  if (!isa_supported(Isa::amx)) GTEST_SKIP() << "no AMX-BF16 (or not granted) on this CPU";
+  ScopedIsa amx(Isa::amx);
+  ThreadGuard guard;
+  uint64_t seed = 9400;
+  for (const auto& [k, n] : {std::pair<int64_t, int64_t>{1500, 200}, {2600, 200}, {2000, 1000}, {2600, 1000}})
+    for (const bool fp8 : {false, true}) {
+      SCOPED_TRACE("k " + std::to_string(k) + ", n " + std::to_string(n) + (fp8 ? ", fp8 ue8m0" : ", bf16"));
+      const Tensor xa = random_bf16(300, k, seed++), xb = random_bf16(n, k, seed++);
+      const Quantized qa = per_token_cast_to_fp8(xa, true), qb = per_block_cast_to_fp8(xb, true);
+      auto rows = [&](int64_t m) {  // D for the first m rows of A, the same on one and two threads
+        Tensor d[2] = {Tensor::empty({m, n}, DType::bf16), Tensor::empty({m, n}, DType::bf16)};
+        for (int threads : {1, 2}) {
+          set_num_threads(threads);
+          if (fp8) fp8_gemm_nt(Quantized{qa.values.slice(0, 0, m), qa.sf.slice(0, 0, m)}, qb, d[threads - 1]);
+          else bf16_gemm_nt(xa.slice(0, 0, m), xb, d[threads - 1]);
+        }
+        EXPECT_EQ(0, std::memcmp(d[0].data(), d[1].data(), static_cast<size_t>(m * n) * 2)) << m << " rows, 1 vs 2 threads";
+        return d[0];
+      };
+      const Tensor all = rows(300);
+      for (const int64_t m : {32, 100})
+        EXPECT_EQ(0, std::memcmp(all.data(), rows(m).data(), static_cast<size_t>(m * n) * 2)) << m << " rows";
+      if (n > 200) continue;
+      const std::vector<double> want = fp8 ? ref::gemm(Layout::nt, {qa.values, qa.sf, 1, 128}, {qb.values, qb.sf, 128, 128})
+                                           : ref::gemm(Layout::nt, {xa, Tensor(), 1, 128}, {xb, Tensor(), 1, 128});
+      EXPECT_LE(ref::calc_diff(ref::to_f64(all), want), 1e-5);
+    }
+}
+
 // Streamed e4m3 weights take two decoders: rows of normal codes a bit rearrangement
 // (GFNI, where the CPU has it), rows holding a zero, subnormal or NaN code the tables. Every
 // one of the 256 codes, in rows of each kind, raw (f32 scales, promoted) and with folded
@@ -1272,46 +1312,6 @@ void expect_nan_in_column_only(const Tensor& got, int64_t m, int64_t n, int64_t 
   for (int64_t i = 0; i < m; ++i)
     for (int64_t j = 0; j < n; ++j)
       EXPECT_EQ(std::isnan(got.data_ptr<float>()[i * n + j]), j == column) << "row " << i << ", column " << j;
-}
-
-// The blocked path's tiles run in passes of 512 K on AMX (gemm.cpp: sweep_in_passes), their
-// sums leaving the tiles between passes; the bits must be those of whole tiles, which the
-// streaming (up to 32 rows) and medium-M (33 to 256) paths keep: the first rows of a 300-row
-// call (blocked) against 32- and 100-row calls, bf16 D (f32 D without C would take
-// sweep_into_d's whole tiles), on one and two threads. K = 1500 and 2000: one K block with a
-// partial last pass; 2600: a second block of 552 (its last pass 40 deep, mid-step). N = 200
-// ends mid-panel; with N = 1000 one thread's partial sums (300 x 1024 f32) pass 1 MiB, so
-// the last K block finishes its tiles into D after the final pass: from a scratch column
-// (K = 2000) or from the sums (2600). bf16 and FP8 with folded (ue8m0) scales; the N = 200
-// cases also against the oracle.
-TEST(GemmAmx, BlockedPassesSameBitsAsFewerRows) {
-  if (!isa_supported(Isa::amx)) GTEST_SKIP() << "no AMX-BF16 (or not granted) on this CPU";
-  ScopedIsa amx(Isa::amx);
-  ThreadGuard guard;
-  uint64_t seed = 9400;
-  for (const auto& [k, n] : {std::pair<int64_t, int64_t>{1500, 200}, {2600, 200}, {2000, 1000}, {2600, 1000}})
-    for (const bool fp8 : {false, true}) {
-      SCOPED_TRACE("k " + std::to_string(k) + ", n " + std::to_string(n) + (fp8 ? ", fp8 ue8m0" : ", bf16"));
-      const Tensor xa = random_bf16(300, k, seed++), xb = random_bf16(n, k, seed++);
-      const Quantized qa = per_token_cast_to_fp8(xa, true), qb = per_block_cast_to_fp8(xb, true);
-      auto rows = [&](int64_t m) {  // D for the first m rows of A, the same on one and two threads
-        Tensor d[2] = {Tensor::empty({m, n}, DType::bf16), Tensor::empty({m, n}, DType::bf16)};
-        for (int threads : {1, 2}) {
-          set_num_threads(threads);
-          if (fp8) fp8_gemm_nt(Quantized{qa.values.slice(0, 0, m), qa.sf.slice(0, 0, m)}, qb, d[threads - 1]);
-          else bf16_gemm_nt(xa.slice(0, 0, m), xb, d[threads - 1]);
-        }
-        EXPECT_EQ(0, std::memcmp(d[0].data(), d[1].data(), static_cast<size_t>(m * n) * 2)) << m << " rows, 1 vs 2 threads";
-        return d[0];
-      };
-      const Tensor all = rows(300);
-      for (const int64_t m : {32, 100})
-        EXPECT_EQ(0, std::memcmp(all.data(), rows(m).data(), static_cast<size_t>(m * n) * 2)) << m << " rows";
-      if (n > 200) continue;
-      const std::vector<double> want = fp8 ? ref::gemm(Layout::nt, {qa.values, qa.sf, 1, 128}, {qb.values, qb.sf, 128, 128})
-                                           : ref::gemm(Layout::nt, {xa, Tensor(), 1, 128}, {xb, Tensor(), 1, 128});
-      EXPECT_LE(ref::calc_diff(ref::to_f64(all), want), 1e-5);
-    }
 }
 
 TEST(GemmBf16Pairs, FewRowsOfE4m3WeightsMatchOracle) {
