@@ -472,35 +472,41 @@ TEST(FormatsBf16, DecodeEncodeRoundTripAllPatterns) {
 
 // ------------------------------------------- finished GEMM tiles: f32 rows to bf16
 // The GEMMs' writer of bf16 D: each ISA's f32_rows_to_bf16_canonical against the scalar
-// converter, with every NaN as 0x7fc0; rows strided on both sides, the gaps left alone.
+// converter, with every NaN as 0x7fc0; rows strided on both sides, the gaps left alone;
+// ordinary and streaming stores (rows ldo apart on a 64-byte aligned buffer: with ldo a
+// multiple of 16 every vector store is aligned and streams; cols + 3 mixes both).
 TEST(FormatsConvert, F32RowsToBf16CanonicalEveryIsa) {
   const uint32_t specials[] = {0x00000000u, 0x80000000u, 0x00000001u, 0x807fffffu, 0x00008000u, 0x00018000u,
                                0x3f808000u, 0x3f818000u, 0x3f80ffffu, 0x7f7fffffu, 0xff7fffffu, 0x7f800000u,
                                0xff800000u, 0x7f800001u, 0xffc12345u, 0x7fffffffu, 0x7fc00000u, 0xff800001u};
   std::mt19937 rng(35);
   for_each_isa([&](Isa) {
-    for (int64_t cols : {1, 15, 16, 17, 31, 32, 33, 40}) {
-      SCOPED_TRACE("cols " + std::to_string(cols));
-      const int64_t rows = 3, ldx = cols + 5, ldo = cols + 3;
-      std::vector<float> x(static_cast<size_t>(rows * ldx));
-      for (size_t i = 0; i < x.size(); ++i) {
-        const uint32_t bits = i % 3 == 0 ? specials[(i / 3) % std::size(specials)] : static_cast<uint32_t>(rng());
-        x[i] = std::bit_cast<float>(bits);
-      }
-      std::vector<uint16_t> out(static_cast<size_t>(rows * ldo), 0xdead);
-      moekit::detail::format_kernels().f32_rows_to_bf16_canonical(x.data(), ldx, rows, cols, out.data(), ldo);
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t c = 0; c < ldo; ++c) {
-          const uint16_t got = out[static_cast<size_t>(r * ldo + c)];
-          if (c >= cols) {
-            EXPECT_EQ(got, 0xdead) << "gap written, row " << r << " col " << c;
-            continue;
+    for (bool stream : {false, true})
+      for (int64_t cols : {1, 15, 16, 17, 31, 32, 33, 40, 64, 70})
+        for (int64_t ldo : {cols + 3, (cols + 15) / 16 * 16 + 16}) {
+          SCOPED_TRACE("cols " + std::to_string(cols) + " ldo " + std::to_string(ldo) + (stream ? " streamed" : ""));
+          const int64_t rows = 3, ldx = cols + 5;
+          std::vector<float> x(static_cast<size_t>(rows * ldx));
+          for (size_t i = 0; i < x.size(); ++i) {
+            const uint32_t bits = i % 3 == 0 ? specials[(i / 3) % std::size(specials)] : static_cast<uint32_t>(rng());
+            x[i] = std::bit_cast<float>(bits);
           }
-          const float v = x[static_cast<size_t>(r * ldx + c)];
-          const uint16_t want = std::isnan(v) ? uint16_t{0x7fc0} : moekit::f32_to_bf16(v);
-          EXPECT_EQ(got, want) << "row " << r << " col " << c << " input 0x" << std::hex << std::bit_cast<uint32_t>(v);
+          std::vector<uint16_t> store(static_cast<size_t>(rows * ldo + 32), 0xdead);
+          uint16_t* out = store.data() + (64 - reinterpret_cast<uintptr_t>(store.data()) % 64) % 64 / 2;
+          moekit::detail::format_kernels().f32_rows_to_bf16_canonical(x.data(), ldx, rows, cols, out, ldo, stream);
+          for (int64_t r = 0; r < rows; ++r)
+            for (int64_t c = 0; c < ldo; ++c) {
+              const uint16_t got = out[r * ldo + c];
+              if (c >= cols) {
+                EXPECT_EQ(got, 0xdead) << "gap written, row " << r << " col " << c;
+                continue;
+              }
+              const float v = x[static_cast<size_t>(r * ldx + c)];
+              const uint16_t want = std::isnan(v) ? uint16_t{0x7fc0} : moekit::f32_to_bf16(v);
+              EXPECT_EQ(got, want) << "row " << r << " col " << c << " input 0x" << std::hex
+                                   << std::bit_cast<uint32_t>(v);
+            }
         }
-    }
   });
 }
 

@@ -1211,6 +1211,37 @@ TEST(GemmAmx, BlockedPassesSameBitsAsFewerRows) {
     }
 }
 
+// bf16 D of 32 MiB or more is written with streaming stores (gemm.cpp: kStreamDBytes), its
+// slices of fewer rows with ordinary ones: 4096 x 4096 x 64 must give the bits of its first
+// and last 512 rows computed alone (D views that start mid-row in the second call, so that
+// rows are not 32-byte aligned), on every vector ISA and on one and two threads.
+TEST(Gemm, StreamedBf16OutputSameBitsAsSmallerCalls) {
+  ThreadGuard guard;
+  const int64_t m = 4096, n = 4096, k = 64, part = 512;
+  const Tensor a = random_bf16(m, k, 9501), b = random_bf16(n, k, 9502);
+  for (const Isa isa : moekit::testing::gemm_isas()) {
+    if (isa == Isa::scalar) continue;  // (4096 x 4096 x 64 is slow there; the converter's test covers it)
+    ScopedIsa scoped(isa);
+    for (int threads : {1, 2}) {
+      SCOPED_TRACE(std::string(isa_name(isa)) + ", " + std::to_string(threads) + " threads");
+      set_num_threads(threads);
+      Tensor big = Tensor::empty({m, n}, DType::bf16);
+      bf16_gemm_nt(a, b, big);
+      Tensor wide = Tensor::empty({part, n + 3}, DType::bf16);
+      for (const int64_t first : {int64_t{0}, m - part}) {
+        Tensor d = wide.slice(1, 3, n + 3);
+        bf16_gemm_nt(a.slice(0, first, first + part), b, d);
+        const auto* got = static_cast<const uint16_t*>(d.data());
+        const auto* want = static_cast<const uint16_t*>(big.data()) + first * n;
+        int64_t mismatches = 0;
+        for (int64_t i = 0; i < part; ++i)
+          mismatches += std::memcmp(got + i * (n + 3), want + i * n, static_cast<size_t>(n) * 2) != 0;
+        EXPECT_EQ(mismatches, 0) << "rows from " << first;
+      }
+    }
+  }
+}
+
 // Streamed e4m3 weights take two decoders: rows of normal codes a bit rearrangement
 // (GFNI, where the CPU has it), rows holding a zero, subnormal or NaN code the tables. Every
 // one of the 256 codes, in rows of each kind, raw (f32 scales, promoted) and with folded

@@ -405,6 +405,7 @@ struct V {
   static F load_f32(const float* p) { return _mm256_loadu_ps(p); }
   static void store_f32(float* p, F a) { _mm256_storeu_ps(p, a); }
   static I load_u16(const uint16_t* p) { return _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static void stream_u16(uint16_t* p, I a) { store_u16(p, a); }  // (plain stores on this target)
   static void store_u16(uint16_t* p, I a) {
     const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(a, a), 0x08);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));

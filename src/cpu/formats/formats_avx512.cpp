@@ -19,7 +19,7 @@ struct V {
   static constexpr bool kF16Decode = false;     // e4m3 decodes by bit arithmetic
   static constexpr bool kBf16Pow2Codes = false; // casts of bf16 widen to f32
   static constexpr bool kE4m3Thresholds = false, kE2m1Thresholds = false;  // (AVX2 only: formats_avx2.cpp)
-  static void fence() {}  // no streaming stores on this target
+  static void fence() { _mm_sfence(); }  // (after stream_u16)
   static constexpr int N = 16;
   using F = __m512;
   using I = __m512i;
@@ -78,6 +78,12 @@ struct V {
   static void store_f32(float* p, F a) { _mm512_storeu_ps(p, a); }
   static I load_u16(const uint16_t* p) { return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static void store_u16(uint16_t* p, I a) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(a)); }
+  // store_u16 past the cache where p allows it (32-byte aligned), then fence().
+  static void stream_u16(uint16_t* p, I a) {
+    const __m256i v = _mm512_cvtepi32_epi16(a);
+    if ((reinterpret_cast<uintptr_t>(p) & 31) == 0) _mm256_stream_si256(reinterpret_cast<__m256i*>(p), v);
+    else _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v);
+  }
   static I load_u8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static void store_u8(uint8_t* p, I a) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(a)); }
   static I load_nibble_pairs(const uint8_t* p) {

@@ -59,6 +59,7 @@ struct V {
   static F load_f32(const float* p) { F r; std::memcpy(r.v, p, sizeof r.v); return r; }
   static void store_f32(float* p, const F& a) { std::memcpy(p, a.v, sizeof a.v); }
   static I load_u16(const uint16_t* p) { I r; for (int i = 0; i < N; ++i) r.v[i] = p[i]; return r; }
+  static void stream_u16(uint16_t* p, I a) { store_u16(p, a); }  // (plain stores on this target)
   static void store_u16(uint16_t* p, const I& a) { for (int i = 0; i < N; ++i) p[i] = static_cast<uint16_t>(a.v[i]); }
   static I load_u8(const uint8_t* p) { I r; for (int i = 0; i < N; ++i) r.v[i] = p[i]; return r; }
   static void store_u8(uint8_t* p, const I& a) { for (int i = 0; i < N; ++i) p[i] = static_cast<uint8_t>(a.v[i]); }

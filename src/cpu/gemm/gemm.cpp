@@ -13,6 +13,7 @@
 #include "moekit/gemm.h"
 
 #include <omp.h>
+#include <xmmintrin.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -69,6 +70,7 @@ struct Output {
   const uint8_t* c = nullptr;  // null: no C
   DType c_dtype = DType::f32;
   int64_t ldc = 0;
+  bool stream_d = false;  // bf16 D past the cache (describe_output)
 };
 
 // ---------------------------------------------------------------- per-thread buffers
@@ -152,7 +154,8 @@ void write_block_f32(const Output& out, const AccBlock& acc, int64_t m0, int64_t
 // whose tiles are 16 steps deep; 2 Zen 4 cores.)
 void write_tile_bf16(const Output& out, const AccBlock& acc, int64_t m0, int64_t m1, int64_t n0, int64_t nc) {
   detail::format_kernels().f32_rows_to_bf16_canonical(acc.data, acc.width, m1 - m0, nc,
-                                                      reinterpret_cast<uint16_t*>(out.d) + m0 * out.ldd + n0, out.ldd);
+                                                      reinterpret_cast<uint16_t*>(out.d) + m0 * out.ldd + n0, out.ldd,
+                                                      out.stream_d);
 }
 
 // D rows [m0, m1) x columns [n0, n0 + nc) = acc (+ C), rounded to D's dtype, a row at a
@@ -160,6 +163,20 @@ void write_tile_bf16(const Output& out, const AccBlock& acc, int64_t m0, int64_t
 void write_block(const Output& out, const AccBlock& acc, int64_t m0, int64_t m1, int64_t n0, int64_t nc) {
   if (out.dtype == DType::f32 && (!out.c || out.c_dtype == DType::f32)) return write_block_f32(out, acc, m0, m1, n0, nc);
   if (out.dtype == DType::bf16 && !out.c && nc <= acc.width) return write_tile_bf16(out, acc, m0, m1, n0, nc);
+  if (out.dtype == DType::bf16 && !out.c) {
+    // Bands of 16 rows, panel by panel: the converter reads each panel's rows where they
+    // are, where gathering every row of 256 columns into a buffer first (below) took a
+    // third of bf16 4096 x 32768 x 512 on AMX (2 threads, 86.7 -> 55.1 ms; bands of 4 or
+    // 64 rows, or whole panels, were slower).
+    constexpr int64_t kBand = 16;
+    for (int64_t i0 = m0; i0 < m1; i0 += kBand) {
+      const int64_t i1 = std::min(m1, i0 + kBand);
+      for (int64_t j = 0; j < nc; j += acc.width)
+        write_tile_bf16(out, {acc.data + (j / acc.width) * acc.panel_stride + (i0 - m0) * acc.width, acc.width, 0}, i0, i1,
+                        n0 + j, std::min(acc.width, nc - j));
+    }
+    return;
+  }
   const detail::FormatKernels& fk = detail::format_kernels();
   const size_t es = element_size(out.dtype), ces = element_size(out.c_dtype);
   constexpr int64_t kChunk = 256;
@@ -412,6 +429,7 @@ bool tiles_write_d(const detail::GemmKernels& kern, const GemmOperand& a, const 
 // Every element is the same FMA chain as in the general order.
 constexpr int64_t kShortKBlocks = 6;
 constexpr int64_t kAllKBBytes = int64_t{4} << 20;  // packed B per thread, for all of K
+constexpr int64_t kPackAOnceBytes = int64_t{32} << 20;  // packed A per thread, all rows and all of K
 
 void run_all_k_item(const detail::GemmKernels& kern, const GemmOperand& a, const GemmOperand& b, const Prepacked& pre,
                     const Output& out, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
@@ -426,7 +444,12 @@ void run_all_k_item(const detail::GemmKernels& kern, const GemmOperand& a, const
   // (every K block is laid out kern.kc deep, the last one included)
   const int64_t a_block = panels_floats(kern, mc_pad / kern.mr, kern.kc, kern.mr);
   const int64_t b_block = panels_floats(kern, nc_pad / kern.nr, kern.kc, kern.nr);
-  float* pa = buf.a.get(static_cast<size_t>(a_block * blocks));
+  // A is packed once for all of the item's rows where that fits kPackAOnceBytes, rather than
+  // once per column block (AMX, bf16 4096 x 24576 x 1536, 2 threads: 24 column blocks of
+  // 512, 143 -> 137 ms; FP8 with f32 scales, whose A is decoded while packing, 174 -> 163).
+  const int64_t row_blocks = ceil_div(rows, kern.mc);
+  const bool a_once = !one_row_block && a_block * blocks * row_blocks * 4 <= kPackAOnceBytes;
+  float* pa = buf.a.get(static_cast<size_t>(a_block * blocks * (a_once ? row_blocks : 1)));
   float* pb = pre.data ? nullptr : buf.b.get(static_cast<size_t>(b_block * blocks));
   const bool direct = tiles_write_d(kern, a, b, pre, out);
   float* acc = direct ? nullptr : buf.acc.get(static_cast<size_t>(mc_max * nc_pad));
@@ -436,6 +459,11 @@ void run_all_k_item(const detail::GemmKernels& kern, const GemmOperand& a, const
                 detail::PackNext::next_rows);
   };
   if (one_row_block) pack_a(m0, rows);
+  if (a_once)
+    for (int64_t ic = m0; ic < m1; ic += kern.mc)
+      for (int64_t pc = 0; pc < k; pc += kern.kc)
+        kern.pack(a, ic, std::min(kern.mc, m1 - ic), pc, std::min(kern.kc, k - pc), kern.mr,
+                  pa + ((ic - m0) / kern.mc * blocks + pc / kern.kc) * a_block, detail::PackNext::next_rows);
   for (int64_t jc = n0; jc < n1; jc += nc_max) {
     const int64_t nc = std::min(nc_max, n1 - jc);
     auto b_at = [&](int64_t pc) {
@@ -454,9 +482,10 @@ void run_all_k_item(const detail::GemmKernels& kern, const GemmOperand& a, const
       }
     for (int64_t ic = m0; ic < m1; ic += kern.mc) {
       const int64_t mc = std::min(kern.mc, m1 - ic), panel_stride = mc * kern.nr;
-      if (!one_row_block) pack_a(ic, mc);
+      if (!one_row_block && !a_once) pack_a(ic, mc);
+      const float* pa_ic = a_once ? pa + (ic - m0) / kern.mc * blocks * a_block : pa;
       if (direct) {
-        sweep_into_d(kern, pa, b_at(0), mc, nc, k, reinterpret_cast<float*>(out.d) + ic * out.ldd + jc, out.ldd,
+        sweep_into_d(kern, pa_ic, b_at(0), mc, nc, k, reinterpret_cast<float*>(out.d) + ic * out.ldd + jc, out.ldd,
                      out.c != nullptr);
         continue;
       }
@@ -464,7 +493,7 @@ void run_all_k_item(const detail::GemmKernels& kern, const GemmOperand& a, const
       const LastBlock last{&out, ic, jc};
       const bool finish = k > 0 && finish_tiles(mc * nc_pad);  // (else the block is written below)
       for (int64_t pc = 0; pc < k; pc += kern.kc)
-        sweep(kern, pa + (pc / kern.kc) * a_block, b_at(pc), mc, nc, std::min(kern.kc, k - pc), acc,
+        sweep(kern, pa_ic + (pc / kern.kc) * a_block, b_at(pc), mc, nc, std::min(kern.kc, k - pc), acc,
               panel_stride, pc > 0, finish && pc + kern.kc >= k ? &last : nullptr);
       if (!finish) write_block(out, {acc, kern.nr, panel_stride}, ic, ic + mc, jc, nc);
     }
@@ -541,6 +570,7 @@ void run_small_m(const detail::GemmKernels& kern, const GemmOperand& a, const Ge
         write_block(out, {res, cols, 0}, 0, m, j, nc);
       }
     }
+    if (out.stream_d) _mm_sfence();  // (as in run_gemm)
     t_small_m_call = outer;
   }
 }
@@ -565,6 +595,7 @@ void run_medium_m(const detail::GemmKernels& kern, const GemmOperand& a, const G
     const int64_t n0 = std::min(n, t * chunk), n1 = std::min(n, n0 + chunk);
     Sink sink{&out, m};
     if (n0 < n1) kern.medium_m(a, b, n0, n1, &Sink::write, &sink);
+    if (out.stream_d) _mm_sfence();  // (as in run_gemm)
   }
 }
 
@@ -620,6 +651,7 @@ void run_gemm(const char* fn, GemmOperand a, GemmOperand b, const Output& out, c
     const int64_t m0 = split_m ? std::min(m, t * chunk_m) : 0;
     const int64_t n0 = split_m ? 0 : std::min(n, t * chunk_n);
     run_item(kern, a, b, pre, out, m0, std::min(m, m0 + chunk_m), n0, std::min(n, n0 + chunk_n));
+    if (out.stream_d) _mm_sfence();  // (the item's streamed stores, before the caller reads D)
   }
 }
 
@@ -666,6 +698,17 @@ void attach_scales(const char* fn, const char* arg, GemmOperand& op, const Tenso
   op.gran_k = r.gran_k;
 }
 
+// bf16 D of at least kStreamDBytes is written with stores that bypass the cache (where the
+// sums are converted by f32_rows_to_bf16_canonical: finished tiles and blocks without C):
+// the call does not read it back, and those stores skip reading every line first. Each
+// thread fences once after its item. AMX, 2 threads, alternated minima, 4096 x N x K:
+// bf16 7168 x 2048 (56 MiB of D) 42.2 -> 37.2 ms, 24576 x 1536 126.6 -> 112.1, 4096 x
+// 7168 (32 MiB) 91.7 -> 84.5, 32768 x 512 53.2 -> 49.9; FP8 with ue8m0 scales 7168 x 2048
+// 43.6 -> 38.8; FP8 with f32 scales (promoted tiles) 32768 x 512 82.6 -> 80.2, 24576 x
+// 1536 and 4096 x 7168 even, 7168 x 2048 58.4 -> 61.5 (slower). 2112 x 7168 (17 MiB):
+// within the noise, so smaller D keeps the cache.
+constexpr int64_t kStreamDBytes = int64_t{32} << 20;
+
 Output describe_output(const char* fn, const Tensor& d, const Tensor& c, int64_t m, int64_t n) {
   detail::check_cpu_matrix(fn, "d", d, {DType::bf16, DType::f32});
   detail::check_shape(fn, "d", d, {m, n});
@@ -682,6 +725,7 @@ Output describe_output(const char* fn, const Tensor& d, const Tensor& c, int64_t
     out.c_dtype = c.dtype();
     out.ldc = c.stride(0);
   }
+  out.stream_d = out.dtype == DType::bf16 && m * n * 2 >= kStreamDBytes;
   return out;
 }
 

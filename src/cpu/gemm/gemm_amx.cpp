@@ -1014,8 +1014,10 @@ inline void zero_c() {
 // (2026-12-02), alternated runs: k-grouped 4 x 4096 x 7168 x 512 (B streams) 81-82 against
 // 88-90 ms; bf16 4096 x 7168 x 2048 (A streams) even to 4 % faster; the hint on the reused
 // operand instead was 1-4 % slower. Promoted tiles (4 steps per K group, then the
-// sums go out) load without it: FP8 4096 x 4096 x 7168 with f32 scales was 5-7 % slower
-// with the hint.
+// sums go out) take it too since their promotion overlaps the next group's products
+// (promote_groups): FP8 with f32 scales, 4096 x N x K, 2 threads, alternated minima, 2112
+// x 7168 66.3 -> 63.6 ms, 4096 x 7168 118.9 -> 115.7, 32768 x 512 115.8 -> 110.2 (before
+// that overlap the hint had made them 5-7 % slower).
 thread_local bool t_b_streams = false;
 
 enum class Hint { none, b_streams, a_streams };
@@ -1101,29 +1103,54 @@ inline void run_hinted_steps(const uint8_t* a, const uint8_t* b, int64_t s0, int
 // [first, steps): the tile's steps (first a multiple of group: passes); group: steps per
 // promotion group; sa / sb: the row and column operands' scales, kMr per group of ga / gb
 // steps (null: not promoted); run(s0, s1) adds steps [s0, s1) to the C tiles.
+// rows [r0, r1) of acc += part · (sa[i] · sb[j]) (sa / sb null: 1).
+inline void promote_rows(const float* part, const float* sa, const float* sb, int r0, int r1, float* acc) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 sb0 = sb ? _mm512_load_ps(sb) : one, sb1 = sb ? _mm512_load_ps(sb + 16) : one;
+  for (int i = r0; i < r1; ++i) {
+    const __m512 ai = _mm512_set1_ps(sa ? sa[i] : 1.0f);
+    float* row = acc + i * kNr;
+    _mm512_store_ps(row, _mm512_fmadd_ps(_mm512_load_ps(part + i * kNr), _mm512_mul_ps(ai, sb0), _mm512_load_ps(row)));
+    _mm512_store_ps(row + 16,
+                    _mm512_fmadd_ps(_mm512_load_ps(part + i * kNr + 16), _mm512_mul_ps(ai, sb1), _mm512_load_ps(row + 16)));
+  }
+}
+
 template <class Steps>
 void promote_groups(int64_t first, int64_t steps, int64_t group, const float* sa, int64_t ga, const float* sb,
                     int64_t gb, Steps run, float* c, int64_t ldc, bool accumulate) {
-  alignas(64) float acc[kMr * kNr], part[kMr * kNr];
+  // Group g's sums are promoted a slice of rows per step of group g + 1 (part is double
+  // buffered), so that the vector work sits between tile products in program order and
+  // overlaps them, rather than waiting for the group's store while the tiles wait for it.
+  // Each element still takes its groups' fmas in order: the same bits. FP8 (1,128,128)
+  // with f32 scales, 4096 x 2112 x 7168, 2 threads, alternated: 63.6-68.1 -> 61.1-65.5 ms
+  // (4096 x 24576 x 1536 even; the hint on A, which this made pay, gains more: t_b_streams).
+  alignas(64) float acc[kMr * kNr], part[2][kMr * kNr];
   for (int i = 0; i < kMr; ++i)
     for (int h = 0; h < 2; ++h)
       _mm512_store_ps(acc + i * kNr + 16 * h, accumulate ? _mm512_loadu_ps(c + i * ldc + 16 * h) : _mm512_setzero_ps());
-  const __m512 one = _mm512_set1_ps(1.0f);
+  const float* pending = nullptr;  // the previous group's sums, not yet promoted
+  const float *pending_sa = nullptr, *pending_sb = nullptr;
+  int buffer = 0;
   for (int64_t s0 = first; s0 < steps; s0 += group) {
+    const int64_t s1 = std::min(steps, s0 + group);
+    const int slice = static_cast<int>((kMr + (s1 - s0) - 1) / (s1 - s0));  // rows promoted per step
     zero_c();
-    run(s0, std::min(steps, s0 + group));
-    store_c(part, kNr * 4);
-    const float* sa_g = sa ? sa + (s0 / ga) * kMr : nullptr;
-    const float* sb_g = sb ? sb + (s0 / gb) * kNr : nullptr;
-    const __m512 sb0 = sb_g ? _mm512_load_ps(sb_g) : one, sb1 = sb_g ? _mm512_load_ps(sb_g + 16) : one;
-    for (int i = 0; i < kMr; ++i) {
-      const __m512 ai = _mm512_set1_ps(sa_g ? sa_g[i] : 1.0f);
-      float* row = acc + i * kNr;
-      _mm512_store_ps(row, _mm512_fmadd_ps(_mm512_load_ps(part + i * kNr), _mm512_mul_ps(ai, sb0), _mm512_load_ps(row)));
-      _mm512_store_ps(row + 16,
-                      _mm512_fmadd_ps(_mm512_load_ps(part + i * kNr + 16), _mm512_mul_ps(ai, sb1), _mm512_load_ps(row + 16)));
+    int r = 0;
+    for (int64_t s = s0; s < s1; ++s) {
+      run(s, s + 1);
+      if (pending && r < kMr) {
+        promote_rows(pending, pending_sa, pending_sb, r, std::min(kMr, r + slice), acc);
+        r += slice;
+      }
     }
+    store_c(part[buffer], kNr * 4);
+    pending = part[buffer];
+    pending_sa = sa ? sa + (s0 / ga) * kMr : nullptr;
+    pending_sb = sb ? sb + (s0 / gb) * kNr : nullptr;
+    buffer ^= 1;
   }
+  if (pending) promote_rows(pending, pending_sa, pending_sb, 0, kMr, acc);
   for (int i = 0; i < kMr; ++i)
     for (int h = 0; h < 2; ++h) _mm512_storeu_ps(c + i * ldc + 16 * h, _mm512_load_ps(acc + i * kNr + 16 * h));
 }
@@ -1138,7 +1165,7 @@ void promoted_tile(int64_t kc, const float* a, const float* b, int64_t s0, int64
   promote_groups(
       s0, s1, std::min(ga, gb), ha.promoted ? a + scales_offset(kc) : nullptr, ga,
       hb.promoted ? b + scales_offset(kc) : nullptr, gb,
-      [&](int64_t g0, int64_t g1) { run_steps<Hint::none>(panel_steps(a), panel_steps(b), g0, g1); }, c, ldc, accumulate);
+      [&](int64_t g0, int64_t g1) { run_hinted_steps(panel_steps(a), panel_steps(b), g0, g1); }, c, ldc, accumulate);
 }
 
 void full_tile(int64_t kc, const float* a, const float* b, int64_t s0, int64_t s1, float* c, int64_t ldc,
@@ -1171,9 +1198,10 @@ void tile_steps(int64_t kc, const float* a, const float* b, int64_t k0, int64_t 
   for (int i = 0; i < rows; ++i) std::memcpy(c + i * ldc, scratch + i * kNr, static_cast<size_t>(cols) * 4);
 }
 
-// Promoted tiles send their sums out every K group and load both panels without hints;
-// in passes they ran slower: FP8 (1,128,128) 4096 x 2112 x 7168 with f32 scales, 2
-// threads, alternated: 69.8-72.8 ms against 66.3-68.1 as whole tiles.
+// Promoted tiles send their sums out every K group; in passes they ran slower: FP8
+// (1,128,128) 4096 x 2112 x 7168 with f32 scales, 2 threads, alternated: 69.8-72.8 ms
+// against 66.3-68.1 as whole tiles (session 40); with their promotion overlapped and A
+// hinted, 70.3 against 63.6 (4096 x 24576 x 1536: 198.8 against 187.8).
 bool passes_take(const float* a, const float* b) {
   return !reinterpret_cast<const PanelHeader*>(a)->promoted && !reinterpret_cast<const PanelHeader*>(b)->promoted;
 }
