@@ -58,10 +58,10 @@ struct FormatKernels {
   void (*f32_to_bf16)(const float* x, uint16_t* out, int64_t n);
   void (*bf16_to_f32)(const uint16_t* x, float* out, int64_t n);
   // rows x cols of f32 (rows ldx apart) to bf16 (rows ldo apart) as f32_to_bf16, but every
-  // NaN as the canonical quiet NaN 0x7fc0 (the GEMMs' sums). stream: D will not be read soon;
-  // aligned stores bypass the cache (AVX-512; plain stores elsewhere), and the caller fences
-  // (_mm_sfence) before another thread reads them: once per item, as a fence per call (a
-  // band of 16 rows) waited for DRAM every KiB.
+  // NaN as the canonical quiet NaN 0x7fc0 (the GEMMs' sums). stream: D will not be read soon,
+  // so aligned stores bypass the cache (AVX-512; plain stores elsewhere). This function does
+  // not fence: the caller issues _mm_sfence before the stores are read elsewhere (the GEMMs:
+  // once per thread's item; a fence per call, a band of 16 rows, waited for DRAM every KiB).
   void (*f32_rows_to_bf16_canonical)(const float* x, int64_t ldx, int64_t rows, int64_t cols, uint16_t* out,
                                      int64_t ldo, bool stream);
   // Per-block casts (many rows under one row of scales): bf16 -> e4m3 through a code table

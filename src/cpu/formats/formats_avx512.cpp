@@ -19,7 +19,7 @@ struct V {
   static constexpr bool kF16Decode = false;     // e4m3 decodes by bit arithmetic
   static constexpr bool kBf16Pow2Codes = false; // casts of bf16 widen to f32
   static constexpr bool kE4m3Thresholds = false, kE2m1Thresholds = false;  // (AVX2 only: formats_avx2.cpp)
-  static void fence() { _mm_sfence(); }  // (after stream_u16)
+  static void fence() {}  // (quantize's blocks store plainly here; stream_u16's callers fence themselves)
   static constexpr int N = 16;
   using F = __m512;
   using I = __m512i;
@@ -78,7 +78,8 @@ struct V {
   static void store_f32(float* p, F a) { _mm512_storeu_ps(p, a); }
   static I load_u16(const uint16_t* p) { return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static void store_u16(uint16_t* p, I a) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(a)); }
-  // store_u16 past the cache where p allows it (32-byte aligned), then fence().
+  // store_u16 past the cache where p allows it (32-byte aligned); the caller fences
+  // (_mm_sfence) before the stores are read elsewhere.
   static void stream_u16(uint16_t* p, I a) {
     const __m256i v = _mm512_cvtepi32_epi16(a);
     if ((reinterpret_cast<uintptr_t>(p) & 31) == 0) _mm256_stream_si256(reinterpret_cast<__m256i*>(p), v);

@@ -70,7 +70,7 @@ struct Output {
   const uint8_t* c = nullptr;  // null: no C
   DType c_dtype = DType::f32;
   int64_t ldc = 0;
-  bool stream_d = false;  // bf16 D past the cache (describe_output)
+  bool stream_d = false;  // bf16 D without C, written past the cache (describe_output)
 };
 
 // ---------------------------------------------------------------- per-thread buffers
@@ -148,18 +148,20 @@ void write_block_f32(const Output& out, const AccBlock& acc, int64_t m0, int64_t
   }
 }
 
-// One panel of sums (a finished tile, or a small-M block; rows acc.width floats apart) into
-// bf16 D without C: canonicalised and rounded by one converter call. (A gather, a
-// converter call and a memcpy per row of 32 had cost 10-13 % of bf16 4096 x 32768 x 512,
-// whose tiles are 16 steps deep; 2 Zen 4 cores.)
+// One panel of sums (a finished tile, a band of a block's panel, or a small-M block; rows
+// acc.width floats apart) into bf16 D without C: canonicalised and rounded by one converter
+// call, with streaming stores where out.stream_d. (A gather, a converter call and a memcpy
+// per row of 32 had cost 10-13 % of bf16 4096 x 32768 x 512, whose tiles are 16 steps
+// deep; 2 Zen 4 cores.)
 void write_tile_bf16(const Output& out, const AccBlock& acc, int64_t m0, int64_t m1, int64_t n0, int64_t nc) {
   detail::format_kernels().f32_rows_to_bf16_canonical(acc.data, acc.width, m1 - m0, nc,
                                                       reinterpret_cast<uint16_t*>(out.d) + m0 * out.ldd + n0, out.ldd,
                                                       out.stream_d);
 }
 
-// D rows [m0, m1) x columns [n0, n0 + nc) = acc (+ C), rounded to D's dtype, a row at a
-// time with the formats component's vector converters (f32 sum first, then one rounding).
+// D rows [m0, m1) x columns [n0, n0 + nc) = acc (+ C), rounded to D's dtype with the
+// formats component's vector converters (f32 sum first, then one rounding): f32 D and bf16
+// D without C panel piece by panel piece, bf16 D with C a row at a time.
 void write_block(const Output& out, const AccBlock& acc, int64_t m0, int64_t m1, int64_t n0, int64_t nc) {
   if (out.dtype == DType::f32 && (!out.c || out.c_dtype == DType::f32)) return write_block_f32(out, acc, m0, m1, n0, nc);
   if (out.dtype == DType::bf16 && !out.c && nc <= acc.width) return write_tile_bf16(out, acc, m0, m1, n0, nc);
@@ -239,7 +241,8 @@ void request_d(const Output& out, int64_t i0, int64_t rows, int64_t j0, int64_t 
 // Whether the last K block finishes its tiles into D (sweep) for a partial-sum buffer of
 // `floats`: when the buffer is larger than L2, so that a second pass would read it from
 // further out. From L2, write_block's pass over whole rows was the faster one: bf16 D
-// 4096 x 32768 x 512 on AMX (acc 384 KiB per row block), 89 ms against 128 finishing tiles.
+// 4096 x 32768 x 512 on AMX (acc 384 KiB per row block), 89 ms against 128 finishing tiles
+// (session 17; write_block's bands of panels take that call to 55 ms since session 41).
 constexpr int64_t kFinishTilesAbove = int64_t{1} << 20;  // bytes
 bool finish_tiles(int64_t floats) { return floats * 4 > kFinishTilesAbove; }
 
@@ -316,7 +319,10 @@ void sweep(const detail::GemmKernels& kern, const float* pa, const float* pb, in
       float* c_tile = to_scratch ? scratch : acc + (jr / kern.nr) * panel_stride + ir * kern.nr;
       if (!to_scratch)  // the next tile's sums, into L2 (see above)
         request_rows<0, 2>(reinterpret_cast<const uint8_t*>(c_tile + kern.mr * kern.nr), 0, 1, kern.mr * kern.nr * 4);
-      if (last) {  // the next tile's part of D (this one's was requested a tile ago)
+      // The next tile's part of D (this one's was requested a tile ago), unless D is streamed:
+      // a line requested for writing is read first, which streaming stores skip (FP8 with f32
+      // scales, 4096 x 7168 x 2048, 2 threads, alternated: 61.1 -> 54.0 ms; 7168 x 16384 even).
+      if (last && !last->out->stream_d) {
         const bool down = ir + kern.mr < mc;
         const int64_t ni = down ? ir + kern.mr : 0, nj = down ? jr : jr + kern.nr;
         if (nj < nc)
@@ -705,8 +711,11 @@ void attach_scales(const char* fn, const char* arg, GemmOperand& op, const Tenso
 // bf16 7168 x 2048 (56 MiB of D) 42.2 -> 37.2 ms, 24576 x 1536 126.6 -> 112.1, 4096 x
 // 7168 (32 MiB) 91.7 -> 84.5, 32768 x 512 53.2 -> 49.9; FP8 with ue8m0 scales 7168 x 2048
 // 43.6 -> 38.8; FP8 with f32 scales (promoted tiles) 32768 x 512 82.6 -> 80.2, 24576 x
-// 1536 and 4096 x 7168 even, 7168 x 2048 58.4 -> 61.5 (slower). 2112 x 7168 (17 MiB):
-// within the noise, so smaller D keeps the cache.
+// 1536 and 4096 x 7168 even, 7168 x 2048 58.4 -> 61.5 while sweep still requested the
+// finished tiles' D for writing (since it does not: 58.7 -> 55.4, and 4096 x 7168 127.7 ->
+// 121.5, 32768 x 512 80.9 -> 76.2). 2112 x 7168 (17 MiB): within the noise, so smaller D
+// keeps the cache. Keeping the partial sums to the end of the call instead of finishing
+// tiles (kFinishTilesAbove) is even with either write.
 constexpr int64_t kStreamDBytes = int64_t{32} << 20;
 
 Output describe_output(const char* fn, const Tensor& d, const Tensor& c, int64_t m, int64_t n) {
@@ -725,7 +734,7 @@ Output describe_output(const char* fn, const Tensor& d, const Tensor& c, int64_t
     out.c_dtype = c.dtype();
     out.ldc = c.stride(0);
   }
-  out.stream_d = out.dtype == DType::bf16 && m * n * 2 >= kStreamDBytes;
+  out.stream_d = out.dtype == DType::bf16 && !out.c && m * n * 2 >= kStreamDBytes;
   return out;
 }
 

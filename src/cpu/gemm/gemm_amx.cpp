@@ -1097,12 +1097,6 @@ inline void run_hinted_steps(const uint8_t* a, const uint8_t* b, int64_t s0, int
   else run_steps<Hint::a_streams>(a, b, s0, s1);
 }
 
-// Promoted: the tiles sum one K group (the finer of the two operands' groups) at a time
-// from zero; each group's sums go to memory and are promoted in f32 with AVX-512,
-// acc = fma(partial, sa[i] · sb[j], acc) (an operand that is not promoted has scale 1).
-// [first, steps): the tile's steps (first a multiple of group: passes); group: steps per
-// promotion group; sa / sb: the row and column operands' scales, kMr per group of ga / gb
-// steps (null: not promoted); run(s0, s1) adds steps [s0, s1) to the C tiles.
 // rows [r0, r1) of acc += part · (sa[i] · sb[j]) (sa / sb null: 1).
 inline void promote_rows(const float* part, const float* sa, const float* sb, int r0, int r1, float* acc) {
   const __m512 one = _mm512_set1_ps(1.0f);
@@ -1116,6 +1110,12 @@ inline void promote_rows(const float* part, const float* sa, const float* sb, in
   }
 }
 
+// Promoted: the tiles sum one K group (the finer of the two operands' groups) at a time
+// from zero; each group's sums go to memory and are promoted in f32 with AVX-512,
+// acc = fma(partial, sa[i] · sb[j], acc) (an operand that is not promoted has scale 1).
+// [first, steps): the tile's steps (first a multiple of group: passes); group: steps per
+// promotion group; sa / sb: the row and column operands' scales, kMr per group of ga / gb
+// steps (null: not promoted); run(s0, s1) adds steps [s0, s1) to the C tiles.
 template <class Steps>
 void promote_groups(int64_t first, int64_t steps, int64_t group, const float* sa, int64_t ga, const float* sb,
                     int64_t gb, Steps run, float* c, int64_t ldc, bool accumulate) {
