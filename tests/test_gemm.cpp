@@ -891,11 +891,12 @@ TEST(GemmPacked, BitIdenticalToUnpackedCall) {
         // 16 x 200 x 256 and 12 x 130 x 512 decode each strip's one or two chunks while the
         // strip before computes. Unpacked calls of 33 to 256 rows against K-major bf16, FP8 or FP4
         // B swap the tiles' operands (medium_m): 70 x 100 x 4500 has three K blocks and a
-        // partial panel of A; 40 x 300 x 2112 (whole steps: bf16 weight rows loaded where
-        // they are) hands the columns out in two blocks on one thread.)
+        // partial panel of A; 40 x 1060 x 2112 (whole steps: bf16 weight rows loaded where
+        // they are; two K blocks) hands the columns out in two blocks of up to 1024 on one
+        // thread.)
         for (auto [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{5, 40, 300}, {37, 70, 1700}, {230, 40, 1700},
                                {5, 2100, 300}, {8, 9000, 260}, {20, 70, 4500}, {32, 34, 2100}, {16, 200, 256},
-                               {12, 130, 512}, {70, 100, 4500}, {40, 300, 2112}}) {
+                               {12, 130, 512}, {70, 100, 4500}, {40, 1060, 2112}}) {
           Case cs{layout, pair.a, pair.b, m, n, k, (seed & 1) ? DType::bf16 : DType::f32,
                   (seed % 3 == 0) ? CMode::in_place : (seed % 3 == 1) ? CMode::separate : CMode::none, (seed & 2) != 0};
           const std::vector<double> unpacked = run_case(cs, seed).got;

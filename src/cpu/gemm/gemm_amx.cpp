@@ -1748,8 +1748,13 @@ void medium_m(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t n1
   // block (128 rows: 512 KiB) and the block's sums stay in L2 while every micro-panel of the
   // block passes; the finished block goes to the sink. (A micro-panel over all of K against
   // all of A's panels read those from L3 once K outgrew L2: 128 x 7168 x 16384 bf16 took
-  // 40 instead of 28 ms.)
-  constexpr int64_t kBlockRows = 8 * kMr;
+  // 40 instead of 28 ms.) Where K spans several blocks, each K block's panels of A are
+  // loaded once per block of weight rows, so those blocks are 1024 rows rather than 256
+  // (AMX host, 2 threads, bf16 x 7168, alternated minima: 128 x 4096 3.99 -> 3.54 ms, 128 x
+  // 2112 2.05 -> 1.91, 256 x 4096 7.68 -> 7.07, 64 x 4096 2.17 -> 2.09; FP8 128 x 4096 5.79
+  // -> 5.41; 128 x 7168 x 16384 even); with one K block they stay at 256 (1024 was 5-20 %
+  // slower there: 128 x 32768 x 512 2.15 -> 2.55 ms).
+  const int64_t kBlockRows = (a.k > kKc ? 32 : 8) * kMr;
   const int64_t k = a.k, act_panels = (a.mn + kMr - 1) / kMr;
   const int64_t act_block = act_panels * panel_floats(kKc, kMr);
   static thread_local Scratch act_buffer, weight_buffer, acc_buffer, res_buffer;
