@@ -440,7 +440,6 @@ constexpr int64_t kPackAOnceBytes = int64_t{32} << 20;  // packed A per thread, 
 void run_all_k_item(const detail::GemmKernels& kern, const GemmOperand& a, const GemmOperand& b, const Prepacked& pre,
                     const Output& out, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
   const int64_t k = a.k, rows = m1 - m0, blocks = std::max<int64_t>(1, ceil_div(k, kern.kc));
-  const bool one_row_block = rows <= kern.mc;
   const int64_t mc_max = std::min(kern.mc, rows), mc_pad = ceil_div(mc_max, kern.mr) * kern.mr;
   const int64_t nc_cap = std::max<int64_t>(kern.nr, kAllKBBytes / (4 * blocks * kern.kc) / kern.nr * kern.nr);
   const int64_t nc_max = pre.data ? column_block(mc_max, n1 - n0, kern.nr)
@@ -450,26 +449,24 @@ void run_all_k_item(const detail::GemmKernels& kern, const GemmOperand& a, const
   // (every K block is laid out kern.kc deep, the last one included)
   const int64_t a_block = panels_floats(kern, mc_pad / kern.mr, kern.kc, kern.mr);
   const int64_t b_block = panels_floats(kern, nc_pad / kern.nr, kern.kc, kern.nr);
-  // A is packed once for all of the item's rows where that fits kPackAOnceBytes, rather than
-  // once per column block (AMX, bf16 4096 x 24576 x 1536, 2 threads: 24 column blocks of
-  // 512, 143 -> 137 ms; FP8 with f32 scales, whose A is decoded while packing, 174 -> 163).
+  // A is packed once for all of the item's rows (row block after row block, each with all
+  // of K) where that fits kPackAOnceBytes or is one row block, rather than once per column
+  // block (AMX, bf16 4096 x 24576 x 1536, 2 threads: 24 column blocks of 512, 143 -> 137 ms;
+  // FP8 with f32 scales, whose A is decoded while packing, 174 -> 163).
   const int64_t row_blocks = ceil_div(rows, kern.mc);
-  const bool a_once = !one_row_block && a_block * blocks * row_blocks * 4 <= kPackAOnceBytes;
+  const bool a_once = row_blocks == 1 || a_block * blocks * row_blocks * 4 <= kPackAOnceBytes;
   float* pa = buf.a.get(static_cast<size_t>(a_block * blocks * (a_once ? row_blocks : 1)));
+  auto a_at = [&](int64_t ic) { return a_once ? pa + (ic - m0) / kern.mc * blocks * a_block : pa; };
   float* pb = pre.data ? nullptr : buf.b.get(static_cast<size_t>(b_block * blocks));
   const bool direct = tiles_write_d(kern, a, b, pre, out);
   float* acc = direct ? nullptr : buf.acc.get(static_cast<size_t>(mc_max * nc_pad));
-  auto pack_a = [&](int64_t ic, int64_t mc) {
+  auto pack_a = [&](int64_t ic) {
     for (int64_t pc = 0; pc < k; pc += kern.kc)
-      kern.pack(a, ic, mc, pc, std::min(kern.kc, k - pc), kern.mr, pa + (pc / kern.kc) * a_block,
-                detail::PackNext::next_rows);
+      kern.pack(a, ic, std::min(kern.mc, m1 - ic), pc, std::min(kern.kc, k - pc), kern.mr,
+                a_at(ic) + (pc / kern.kc) * a_block, detail::PackNext::next_rows);
   };
-  if (one_row_block) pack_a(m0, rows);
   if (a_once)
-    for (int64_t ic = m0; ic < m1; ic += kern.mc)
-      for (int64_t pc = 0; pc < k; pc += kern.kc)
-        kern.pack(a, ic, std::min(kern.mc, m1 - ic), pc, std::min(kern.kc, k - pc), kern.mr,
-                  pa + ((ic - m0) / kern.mc * blocks + pc / kern.kc) * a_block, detail::PackNext::next_rows);
+    for (int64_t ic = m0; ic < m1; ic += kern.mc) pack_a(ic);
   for (int64_t jc = n0; jc < n1; jc += nc_max) {
     const int64_t nc = std::min(nc_max, n1 - jc);
     auto b_at = [&](int64_t pc) {
@@ -488,8 +485,8 @@ void run_all_k_item(const detail::GemmKernels& kern, const GemmOperand& a, const
       }
     for (int64_t ic = m0; ic < m1; ic += kern.mc) {
       const int64_t mc = std::min(kern.mc, m1 - ic), panel_stride = mc * kern.nr;
-      if (!one_row_block && !a_once) pack_a(ic, mc);
-      const float* pa_ic = a_once ? pa + (ic - m0) / kern.mc * blocks * a_block : pa;
+      if (!a_once) pack_a(ic);
+      const float* pa_ic = a_at(ic);
       if (direct) {
         sweep_into_d(kern, pa_ic, b_at(0), mc, nc, k, reinterpret_cast<float*>(out.d) + ic * out.ldd + jc, out.ldd,
                      out.c != nullptr);

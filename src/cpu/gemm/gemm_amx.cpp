@@ -1119,19 +1119,19 @@ inline void promote_rows(const float* part, const float* sa, const float* sb, in
 template <class Steps>
 void promote_groups(int64_t first, int64_t steps, int64_t group, const float* sa, int64_t ga, const float* sb,
                     int64_t gb, Steps run, float* c, int64_t ldc, bool accumulate) {
-  // Group g's sums are promoted a slice of rows per step of group g + 1 (part is double
-  // buffered), so that the vector work sits between tile products in program order and
-  // overlaps them, rather than waiting for the group's store while the tiles wait for it.
+  // Group g's sums are promoted a slice of rows per step of group g + 1 (all of them by its
+  // last step, before part is stored again), so that the vector work sits between tile
+  // products in program order and overlaps them, rather than waiting for the group's store
+  // while the tiles wait for it.
   // Each element still takes its groups' fmas in order: the same bits. FP8 (1,128,128)
   // with f32 scales, 4096 x 2112 x 7168, 2 threads, alternated: 63.6-68.1 -> 61.1-65.5 ms
   // (4096 x 24576 x 1536 even; the hint on A, which this made pay, gains more: t_b_streams).
-  alignas(64) float acc[kMr * kNr], part[2][kMr * kNr];
+  alignas(64) float acc[kMr * kNr], part[kMr * kNr];
   for (int i = 0; i < kMr; ++i)
     for (int h = 0; h < 2; ++h)
       _mm512_store_ps(acc + i * kNr + 16 * h, accumulate ? _mm512_loadu_ps(c + i * ldc + 16 * h) : _mm512_setzero_ps());
-  const float* pending = nullptr;  // the previous group's sums, not yet promoted
+  bool pending = false;  // part holds the previous group's sums, not yet promoted
   const float *pending_sa = nullptr, *pending_sb = nullptr;
-  int buffer = 0;
   for (int64_t s0 = first; s0 < steps; s0 += group) {
     const int64_t s1 = std::min(steps, s0 + group);
     const int slice = static_cast<int>((kMr + (s1 - s0) - 1) / (s1 - s0));  // rows promoted per step
@@ -1140,17 +1140,16 @@ void promote_groups(int64_t first, int64_t steps, int64_t group, const float* sa
     for (int64_t s = s0; s < s1; ++s) {
       run(s, s + 1);
       if (pending && r < kMr) {
-        promote_rows(pending, pending_sa, pending_sb, r, std::min(kMr, r + slice), acc);
+        promote_rows(part, pending_sa, pending_sb, r, std::min(kMr, r + slice), acc);
         r += slice;
       }
     }
-    store_c(part[buffer], kNr * 4);
-    pending = part[buffer];
+    store_c(part, kNr * 4);
+    pending = true;
     pending_sa = sa ? sa + (s0 / ga) * kMr : nullptr;
     pending_sb = sb ? sb + (s0 / gb) * kNr : nullptr;
-    buffer ^= 1;
   }
-  if (pending) promote_rows(pending, pending_sa, pending_sb, 0, kMr, acc);
+  if (pending) promote_rows(part, pending_sa, pending_sb, 0, kMr, acc);
   for (int i = 0; i < kMr; ++i)
     for (int h = 0; h < 2; ++h) _mm512_storeu_ps(c + i * ldc + 16 * h, _mm512_load_ps(acc + i * kNr + 16 * h));
 }
@@ -1744,7 +1743,7 @@ void rows_tile(int64_t kc, const RowChunks& w, const float* w_scales, int64_t w_
 bool medium_m_takes(const GemmOperand& a, const GemmOperand& b) { return a.mn <= kMediumM && b.k_major; }
 
 void medium_m(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t n1, GemmKernels::ColumnSink sink, void* ctx) {
-  // Weight rows go in blocks of kBlockRows, K block by K block, so that A's panels of one K
+  // Weight rows go in blocks of block_rows, K block by K block, so that A's panels of one K
   // block (128 rows: 512 KiB) and the block's sums stay in L2 while every micro-panel of the
   // block passes; the finished block goes to the sink. (A micro-panel over all of K against
   // all of A's panels read those from L3 once K outgrew L2: 128 x 7168 x 16384 bf16 took
@@ -1754,20 +1753,20 @@ void medium_m(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t n1
   // 2112 2.05 -> 1.91, 256 x 4096 7.68 -> 7.07, 64 x 4096 2.17 -> 2.09; FP8 128 x 4096 5.79
   // -> 5.41; 128 x 7168 x 16384 even); with one K block they stay at 256 (1024 was 5-20 %
   // slower there: 128 x 32768 x 512 2.15 -> 2.55 ms).
-  const int64_t kBlockRows = (a.k > kKc ? 32 : 8) * kMr;
+  const int64_t block_rows = (a.k > kKc ? 32 : 8) * kMr;
   const int64_t k = a.k, act_panels = (a.mn + kMr - 1) / kMr;
   const int64_t act_block = act_panels * panel_floats(kKc, kMr);
   static thread_local Scratch act_buffer, weight_buffer, acc_buffer, res_buffer;
   float* act = act_buffer.get(static_cast<size_t>((k + kKc - 1) / kKc * act_block));
   float* weights = weight_buffer.get(static_cast<size_t>(kKc / kChunk * kMr * kChunkWords));  // a K block of decoded chunks
-  float* acc = acc_buffer.get(static_cast<size_t>(kBlockRows / kMr * act_panels * kMr * kNr));
-  float* res = res_buffer.get(static_cast<size_t>(a.mn * kBlockRows));  // A's rows by the block's columns
+  float* acc = acc_buffer.get(static_cast<size_t>(block_rows / kMr * act_panels * kMr * kNr));
+  float* res = res_buffer.get(static_cast<size_t>(a.mn * block_rows));  // A's rows by the block's columns
   for (int64_t pc = 0; pc < k; pc += kKc) pack_panels<true>(a, 0, a.mn, pc, std::min(kKc, k - pc), act + (pc / kKc) * act_block);
   begin_tiles(true);  // (each weight panel is reused, A's panels stream)
   // (a K block's promoted weight scales, kMr per group)
   alignas(64) float w_scales[kKc / kStep * kMr];
-  for (int64_t jb = n0; jb < n1; jb += kBlockRows) {
-    const int64_t jb1 = std::min(n1, jb + kBlockRows), panels = (jb1 - jb + kMr - 1) / kMr;
+  for (int64_t jb = n0; jb < n1; jb += block_rows) {
+    const int64_t jb1 = std::min(n1, jb + block_rows), panels = (jb1 - jb + kMr - 1) / kMr;
     for (int64_t pc = 0; pc < k; pc += kKc) {
       const int64_t kc = std::min(kKc, k - pc);
       for (int64_t p = 0; p < panels; ++p) {
@@ -1797,9 +1796,9 @@ void medium_m(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t n1
     for (int64_t p = 0; p < panels; ++p)
       for (int64_t q = 0; q < act_panels; ++q)
         write_transposed(acc + (p * act_panels + q) * kMr * kNr, static_cast<int>(std::min<int64_t>(kMr, a.mn - q * kMr)),
-                         static_cast<int>(std::min<int64_t>(kMr, jb1 - jb - p * kMr)), res + q * kMr * kBlockRows + p * kMr,
-                         kBlockRows);
-    sink(ctx, res, kBlockRows, jb, jb1 - jb);
+                         static_cast<int>(std::min<int64_t>(kMr, jb1 - jb - p * kMr)), res + q * kMr * block_rows + p * kMr,
+                         block_rows);
+    sink(ctx, res, block_rows, jb, jb1 - jb);
   }
 }
 

@@ -96,8 +96,8 @@ struct GemmKernels {
   // every tile of the column; the sums go through c between passes (f32, exact: the same
   // bits as whole tiles). tile_steps is tile() over K [k0, k1) of the block (k0 a multiple
   // of pass_k, which is a multiple of the target's K step); null: whole tiles. passes_take
-  // says whether panels like these take passes (AMX: not promoted ones, whose K groups
-  // would otherwise have to divide pass_k).
+  // says whether panels like these take passes (AMX: not promoted ones, which measured
+  // slower in passes).
   void (*tile_steps)(int64_t kc, const float* a, const float* b, int64_t k0, int64_t k1, float* c, int64_t ldc,
                      int rows, int cols, bool accumulate) = nullptr;
   int64_t pass_k = 0;
