@@ -1374,9 +1374,11 @@ class StripSource {
   };
 
   // next_rows: how many rows the strip after this one has (0: none), whose first chunk
-  // this strip's last chunk requests.
-  StripSource(const GemmOperand& b, int64_t j0, int rows, int next_rows, bool bf16_by_rows)
-      : b_(b), j0_(j0), rows_(rows), next_rows_(next_rows), full_(rows == kMr), bf16_by_rows_(bf16_by_rows && plain_bf16(b)),
+  // this strip's last chunk requests. requests: whether decode_rows requests what the
+  // streaming path reads next (medium_m requests its own).
+  StripSource(const GemmOperand& b, int64_t j0, int rows, int next_rows, bool bf16_by_rows, bool requests = true)
+      : b_(b), j0_(j0), rows_(rows), next_rows_(next_rows), full_(rows == kMr), requests_(requests),
+        bf16_by_rows_(bf16_by_rows && plain_bf16(b)),
         row_bytes_(b.ld * static_cast<int64_t>(element_size(b.dtype))),
         first_row_(row_ptr(b, j0)),
         raw_e4m3_(b.dtype == DType::e4m3 && (!b.sf || b.promote) && cpu_features().avx512vbmi),
@@ -1426,6 +1428,7 @@ class StripSource {
   // one thread: the first load of each row was 60 % of the decoder's time; the next strip's
   // first chunk, unrequested, had been read on demand: docs/GEMM.md, session 21).
   void decode_rows(int64_t k0, int r0, int r1, const Shifts& shifts, uint32_t* words) const {
+    if (!requests_) return decode_rows_here(k0, r0, r1, shifts, words);
     const int bits = b_.dtype == DType::e2m1x2 ? 4 : b_.dtype == DType::e4m3 ? 8 : 16;  // per value
     const auto bytes = [&](int64_t values) { return (values * bits + 7) / 8; };
     const int64_t after = b_.k - k0 - kChunk;  // values of the rows after this chunk
@@ -1440,6 +1443,12 @@ class StripSource {
     // 1.72-1.95; longer rows even, FP8 16 x 7168 x 16384 14.2-14.6 against 14.1-15.0).
     if (row_bytes_ <= kFarRowBytes)
       request_rows(first + static_cast<uintptr_t>(2 * kMr * row_bytes_ + bytes(k0)), r0, r1, bytes(std::min(kChunk, b_.k - k0)));
+    decode_rows_here(k0, r0, r1, shifts, words);
+  }
+
+ private:
+  // decode_rows without the requests.
+  void decode_rows_here(int64_t k0, int r0, int r1, const Shifts& shifts, uint32_t* words) const {
     uint32_t* out = words + r0 * kChunkWords;
     if (bf16_by_rows_) return copy_rows(first_row_ + r0 * row_bytes_ + k0 * 2, row_bytes_, r1 - r0, out);
     if (folded_e2m1_) return e2m1_rows_to_bf16(b_, j0_ + r0, r1 - r0, k0, shifts.values + r0 * kGroups, out);
@@ -1461,7 +1470,6 @@ class StripSource {
     if (affine) tabled_calls_ = 4 * by_tables >= 3 * blocks ? tabled_calls_ + 1 : 0;
   }
 
- private:
   static constexpr int64_t kFarRowBytes = 4096;
   void request_rows(uintptr_t first, int r0, int r1, int64_t bytes) const {
     request_lines_into_l2(first, row_bytes_, r0, r1, bytes);
@@ -1470,7 +1478,7 @@ class StripSource {
   const GemmOperand& b_;
   int64_t j0_;
   int rows_, next_rows_;
-  bool full_;
+  bool full_, requests_;
   bool bf16_by_rows_;  // plain bf16 rows copied into the chunk buffer by rows (decode_rows), not read in place
   int64_t row_bytes_;
   const uint8_t* first_row_;
@@ -1699,11 +1707,86 @@ struct RowChunks {
   int64_t stride[kKc / kChunk];
 };
 
+// The next micro-panel's chunks of one K block, decoded a few rows every kSlice tile steps
+// of the current micro-panel (step), where StripSource can decode them by rows; the rest (a
+// short strip, a partial chunk, scales that do not fold) are decoded when the panel's tiles
+// begin (take). The same decoder and layout as decoding it all upfront: the same bits.
+// Decoding each micro-panel upfront left the tiles idle meanwhile: 2 threads, alternated
+// minima, FP8 (1,128,128) f32 scales 128 x 4096 x 7168 4.95 -> 4.44 ms, 128 x 24576 x 1536
+// 6.98 -> 6.13, 64 x 4096 x 7168 3.09 -> 2.77, 256 x 4096 x 7168 9.10 -> 8.76; FP8 x FP4 128
+// x 4096 x 7168 4.70 -> 4.33. One row every step gained nothing (each call's setup), 2 rows
+// every 2 steps half of it, 8 every 8 steps less than 4 every 4. (Skipping the decode
+// altogether, wrong bits, gives 4.08 ms at 128 x 4096 x 7168: the decode's vector work does
+// not hide entirely behind the tiles.)
+class AheadDecode {
+ public:
+  static constexpr int kChunks = kKc / kChunk;
+  static constexpr int kSlice = 4;
+
+  // Chunks of K [pc, pc + kc) of rows [j0, j0 + rows) of b, into `words` (kMr x kChunkWords
+  // words a chunk), spread over `steps` calls of step().
+  void begin(const GemmOperand& b, int64_t j0, int rows, int64_t pc, int64_t kc, uint32_t* words, int64_t steps) {
+    source_.emplace(b, j0, rows, 0, false, false);
+    j0_ = j0, pc_ = pc, kc_ = kc, words_ = words;
+    count_ = chunk_ = row_ = tick_ = 0;
+    for (int c = 0; c * kChunk < kc; ++c)
+      if (source_->rowwise(pc + c * kChunk, shifts_[count_])) list_[count_++] = c;
+    const int64_t slices = std::max<int64_t>(1, steps / kSlice), rows_in_all = static_cast<int64_t>(count_) * rows;
+    per_slice_ = static_cast<int>((rows_in_all + slices - 1) / slices);
+  }
+  // Whether any chunk is decoded during the tiles (else its rows are read when its tiles begin).
+  bool any() const { return source_ && count_ > 0; }
+  bool holds(int64_t j0, int64_t pc) const { return source_ && j0_ == j0 && pc_ == pc; }
+
+  void step() {
+    if (++tick_ < kSlice) return;
+    tick_ = 0;
+    decode(per_slice_);
+  }
+
+  // The held micro-panel's chunks as RowChunks: those decoded by rows finished, the rest
+  // decoded now.
+  void take(RowChunks& chunks) {
+    decode(count_ * source_->rows());
+    for (int c = 0, i = 0; c * kChunk < kc_; ++c) {
+      uint32_t* words = words_ + c * kMr * kChunkWords;
+      if (i < count_ && list_[i] == c) {
+        chunks.at[c] = reinterpret_cast<const uint8_t*>(words), chunks.stride[c] = kChunkWords * 4, ++i;
+      } else {
+        chunks.at[c] = source_->chunk(pc_ + c * kChunk, words, chunks.stride[c]);
+      }
+    }
+    source_.reset();
+  }
+
+ private:
+  // The next n rows (at most) of the chunks decoded by rows, in order.
+  void decode(int n) {
+    while (n > 0 && chunk_ < count_) {
+      const int rows = source_->rows(), r1 = std::min(rows, row_ + n), c = list_[chunk_];
+      source_->decode_rows(pc_ + c * kChunk, row_, r1, shifts_[chunk_], words_ + c * kMr * kChunkWords);
+      n -= r1 - row_;
+      row_ = r1;
+      if (row_ == rows) row_ = 0, ++chunk_;
+    }
+  }
+
+  std::optional<StripSource> source_;
+  int64_t j0_ = 0, pc_ = 0, kc_ = 0;
+  uint32_t* words_ = nullptr;
+  StripSource::Shifts shifts_[kChunks];
+  int list_[kChunks] = {};  // the chunks decoded by rows
+  int count_ = 0, chunk_ = 0, row_ = 0, tick_ = 0, per_slice_ = 0;
+};
+thread_local AheadDecode* t_ahead = nullptr;
+
 // Steps [s0, s1) of a medium_m tile: weight rows as RowChunks against a B panel's steps.
 inline void rows_steps(const RowChunks& w, const uint8_t* bs, int64_t s0, int64_t s1) {
   NextPanelRequests* requests = t_tile_requests ? &*t_tile_requests : nullptr;
+  AheadDecode* ahead = t_ahead;
   for (int64_t s = s0; s < s1; ++s) {
     if (requests) requests->step();
+    if (ahead) ahead->step();
     const uint8_t* ws = w.at[s >> 3] + (s & 7) * 64;
     const int64_t stride = w.stride[s >> 3];
     _tile_loadd(4, ws, stride);
@@ -1758,38 +1841,62 @@ void medium_m(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t n1
   const int64_t act_block = act_panels * panel_floats(kKc, kMr);
   static thread_local Scratch act_buffer, weight_buffer, acc_buffer, res_buffer;
   float* act = act_buffer.get(static_cast<size_t>((k + kKc - 1) / kKc * act_block));
-  float* weights = weight_buffer.get(static_cast<size_t>(kKc / kChunk * kMr * kChunkWords));  // a K block of decoded chunks
+  // Two K blocks of decoded chunks: the current micro-panel's and the next one's.
+  float* weights = weight_buffer.get(static_cast<size_t>(2 * kKc / kChunk * kMr * kChunkWords));
   float* acc = acc_buffer.get(static_cast<size_t>(block_rows / kMr * act_panels * kMr * kNr));
   float* res = res_buffer.get(static_cast<size_t>(a.mn * block_rows));  // A's rows by the block's columns
   for (int64_t pc = 0; pc < k; pc += kKc) pack_panels<true>(a, 0, a.mn, pc, std::min(kKc, k - pc), act + (pc / kKc) * act_block);
   begin_tiles(true);  // (each weight panel is reused, A's panels stream)
   // (a K block's promoted weight scales, kMr per group)
   alignas(64) float w_scales[kKc / kStep * kMr];
+  // The micro-panel after (jb, pc, p) in this thread's order: along the block of weight
+  // rows, then down its K blocks, then the next block.
+  struct Panel {
+    int64_t jb, pc, p;
+    int64_t j0() const { return jb + p * kMr; }
+  };
+  const auto rows_of = [&](const Panel& q) { return static_cast<int>(std::min<int64_t>(kMr, std::min(n1, q.jb + block_rows) - q.j0())); };
+  const auto next_of = [&](const Panel& q) -> std::optional<Panel> {
+    if (q.j0() + kMr < std::min(n1, q.jb + block_rows)) return Panel{q.jb, q.pc, q.p + 1};
+    if (q.pc + kKc < k) return Panel{q.jb, q.pc + kKc, 0};
+    if (q.jb + block_rows < n1) return Panel{q.jb + block_rows, 0, 0};
+    return std::nullopt;
+  };
+  AheadDecode ahead;
+  t_ahead = &ahead;
+  int buffer = 0;  // the half of weights the current micro-panel's chunks are decoded into
+  const int64_t half = kKc / kChunk * kMr * kChunkWords;
   for (int64_t jb = n0; jb < n1; jb += block_rows) {
     const int64_t jb1 = std::min(n1, jb + block_rows), panels = (jb1 - jb + kMr - 1) / kMr;
     for (int64_t pc = 0; pc < k; pc += kKc) {
       const int64_t kc = std::min(kKc, k - pc);
       for (int64_t p = 0; p < panels; ++p) {
-        const int64_t j0 = jb + p * kMr;
-        const int rows = static_cast<int>(std::min<int64_t>(kMr, jb1 - j0));
+        const Panel here{jb, pc, p};
+        const int64_t j0 = here.j0();
+        const int rows = rows_of(here);
         // (Raw values where the weights are promoted: their scales go to the promotion.)
         RowChunks chunks;
-        const StripSource source(b, j0, rows, 0, false);
-        auto* words = reinterpret_cast<uint32_t*>(weights);
-        for (int64_t c = 0; c * kChunk < kc; ++c)
-          chunks.at[c] = source.chunk(pc + c * kChunk, words + c * kMr * kChunkWords, chunks.stride[c]);
+        auto* words = reinterpret_cast<uint32_t*>(weights) + buffer * half;
+        if (!ahead.holds(j0, pc)) ahead.begin(b, j0, rows, pc, kc, words, 1);
+        ahead.take(chunks);
         if (b.promote) pack_scales(b, j0, rows, pc, kc, w_scales);
-        // The next micro-panel's rows of this K block, or the block's first of the next K
-        // block, or the next block's first, requested during these tiles.
-        const bool along = p + 1 < panels, down = !along && pc + kKc < k;
-        const int64_t next_j0 = along ? j0 + kMr : down ? jb : jb1, next_pc = along ? pc : down ? pc + kKc : 0;
-        const int next_rows = static_cast<int>(std::clamp<int64_t>(std::min(n1, next_j0 + kMr) - next_j0, 0, kMr));
-        request_during_tiles(b, next_j0, next_rows, next_pc, std::min(kKc, k - next_pc), act_panels, kc);
+        // The next micro-panel is decoded during these tiles where it can be by rows, and
+        // the rows it reads where it cannot; then the one after it is requested into L2.
+        const auto next = next_of(here);
+        std::optional<Panel> fetch = next;
+        if (next) {
+          ahead.begin(b, next->j0(), rows_of(*next), next->pc, std::min(kKc, k - next->pc),
+                      reinterpret_cast<uint32_t*>(weights) + (buffer ^ 1) * half, act_panels * step_count(kc));
+          if (ahead.any()) fetch = next_of(*next);
+        }
+        if (fetch) request_during_tiles(b, fetch->j0(), rows_of(*fetch), fetch->pc, std::min(kKc, k - fetch->pc), act_panels, kc);
+        else request_during_tiles(b, 0, 0, 0, 0, 0, 0);
         for (int64_t q = 0; q < act_panels; ++q) {
           const float* act_panel = act + (pc / kKc) * act_block + q * panel_floats(kc, kMr);
           float* c = acc + (p * act_panels + q) * kMr * kNr;  // (whole 32 x 32 tiles: past the operands, zeros)
           rows_tile(kc, chunks, b.promote ? w_scales : nullptr, b.gran_k / kStep, act_panel, c, pc > 0);
         }
+        buffer ^= 1;
       }
     }
     request_during_tiles(b, 0, 0, 0, 0, 0, 0);
@@ -1800,6 +1907,7 @@ void medium_m(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t n1
                          block_rows);
     sink(ctx, res, block_rows, jb, jb1 - jb);
   }
+  t_ahead = nullptr;
 }
 
 // ---------------------------------------------------------------- what the target takes
