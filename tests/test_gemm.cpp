@@ -908,6 +908,40 @@ TEST(GemmPacked, BitIdenticalToUnpackedCall) {
   }
 }
 
+// Promoted tiles at 33 to 256 rows against K-major weights (medium_m under AMX) run in passes
+// of at least a chunk of K over A's panels, each K group's sums promoted during the next
+// group's steps, which may be another tile's: promotion groups of 1, 4, 16 and 32 steps
+// (the last two longer than a pass), scales on the weights, on A or on both, K with two
+// blocks and a partial chunk, a partial strip of weights and a partial panel of A. The
+// unpacked call must give the packed (blocked) call's bits, and the oracle's values.
+TEST(GemmPacked, PromotedMediumRowsSameBitsAsPacked) {
+  ThreadGuard guard;
+  uint64_t seed = 9400;
+  for (int threads : {1, 2}) {
+    set_num_threads(threads);
+    for (const int64_t gran_k : {32, 128, 512, 1024})
+      for (const int scaled : {0, 1, 2})  // 0: both operands' scales promoted; 1: A's only; 2: the weights' only
+        for (const int64_t m : {40, 130}) {
+          const int64_t n = 100, k = 2600;
+          SCOPED_TRACE("threads " + std::to_string(threads) + ", gran_k " + std::to_string(gran_k) + ", scaled " +
+                       std::to_string(scaled) + ", m " + std::to_string(m));
+          Quantized qa = per_token_cast_to_fp8(random_bf16(m, k, seed++), false, gran_k);
+          Quantized qb = per_token_cast_to_fp8(random_bf16(n, k, seed++), false, gran_k);
+          // (Scales of 1 are exact: that operand's scales fold, and only the other's are promoted.)
+          if (scaled == 2) std::fill_n(qa.sf.data_ptr<float>(), qa.sf.numel(), 1.0f);
+          if (scaled == 1) std::fill_n(qb.sf.data_ptr<float>(), qb.sf.numel(), 1.0f);
+          GemmOptions o;
+          o.recipe = Recipe{1, 1, gran_k};
+          Tensor unpacked = Tensor::empty({m, n}, DType::f32), packed = Tensor::empty({m, n}, DType::f32);
+          fp8_fp4_gemm_nt(qa, qb, unpacked, Tensor(), o);
+          fp8_fp4_gemm_packed(qa, pack_fp8_fp4_weights(qb, true, o), packed, Tensor(), o);
+          EXPECT_EQ(0, std::memcmp(unpacked.data(), packed.data(), static_cast<size_t>(m * n) * 4));
+          const std::vector<double> want = ref::gemm(Layout::nt, {qa.values, qa.sf, 1, gran_k}, {qb.values, qb.sf, 1, gran_k});
+          EXPECT_LE(ref::calc_diff(ref::to_f64(unpacked), want), 1e-5);
+        }
+  }
+}
+
 // Weights packed under one ISA keep working (with that ISA's kernels) after the active ISA
 // changes; every ISA's packing gives the same results.
 TEST(GemmPacked, PackedUnderEveryIsa) {

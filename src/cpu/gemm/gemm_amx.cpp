@@ -1800,28 +1800,68 @@ inline void rows_steps(const RowChunks& w, const uint8_t* bs, int64_t s0, int64_
   }
 }
 
-// A 32 x 32 tile of medium_m against a B panel (c: 32 x 32, row stride kNr): full_tile's
-// (or, with `w_scales` or a promoted B panel, promoted_tile's) sums, with the weights'
-// tiles loaded from their rows (in place, or decoded a chunk at a time) rather than from a
-// packed copy (copying plain bf16 rows into panels had taken a third as long as the
-// products at 128 x 32768 x 512). Steps [s0, s1) of the panels, s0 a multiple of the
-// promotion group; accumulate: onto c's sums, else from zero. w_scales: the weights'
-// scales, kMr per group of w_group_steps steps (null: values carry their scales).
-void rows_tile(int64_t kc, const RowChunks& w, const float* w_scales, int64_t w_group_steps, const float* b, int64_t s0,
-               int64_t s1, float* c, bool accumulate) {
-  const uint8_t* bs = panel_steps(b);
-  const auto& hb = *reinterpret_cast<const PanelHeader*>(b);
-  if (w_scales || hb.promoted) {
-    const int64_t steps = step_count(kc), ga = w_scales ? w_group_steps : steps, gb = hb.promoted ? hb.group_steps : steps;
-    return promote_groups(
-        s0, s1, std::min(ga, gb), w_scales, ga, hb.promoted ? b + scales_offset(kc) : nullptr, gb,
-        [&](int64_t t0, int64_t t1) { rows_steps(w, bs, t0, t1); }, c, kNr, accumulate);
-  }
+// Steps [s0, s1) of a 32 x 32 tile of medium_m against a B panel that is not promoted (c:
+// 32 x 32, row stride kNr), full_tile's sums from zero or onto c's (accumulate), with the
+// weights' tiles loaded from their rows (in place, or decoded a chunk at a time) rather
+// than from a packed copy (copying plain bf16 rows into panels had taken a third as long as
+// the products at 128 x 32768 x 512).
+void rows_tile(const RowChunks& w, const float* b, int64_t s0, int64_t s1, float* c, bool accumulate) {
   if (accumulate) load_c(c, kNr * 4);
   else zero_c();
-  rows_steps(w, bs, s0, s1);
+  rows_steps(w, panel_steps(b), s0, s1);
   store_c(c, kNr * 4);
 }
+
+// Promoted medium_m tiles in passes: each K group's sums (a tile's steps from zero) are
+// promoted into the tile's f32 sums in memory a slice of rows per step of the next group,
+// whichever tile that group belongs to, so that a pass ending does not wait for its last
+// group's promotion (promote_groups keeps that pipeline within one tile's run of steps).
+// Each element takes its groups' fmas in order, as promote_groups gives them: the same bits.
+class PromotionPipe {
+ public:
+  // Steps [s0, s1) (whole promotion groups of `group` steps but the call's last) of a
+  // tile: weights `w` (scales w_scales, kMr per w_group steps; null: not promoted) against
+  // the panel `b` (its scales, if promoted, in the panel), into acc (32 x 32, stride kNr).
+  void run(int64_t kc, const RowChunks& w, const float* w_scales, int64_t w_group, const float* b, int64_t s0, int64_t s1,
+           float* acc) {
+    const auto& hb = *reinterpret_cast<const PanelHeader*>(b);
+    const int64_t steps = step_count(kc), ga = w_scales ? w_group : steps, gb = hb.promoted ? hb.group_steps : steps;
+    const int64_t group = std::min(ga, gb);
+    const float* sb = hb.promoted ? b + scales_offset(kc) : nullptr;
+    const uint8_t* bs = panel_steps(b);
+    for (int64_t g0 = s0; g0 < s1; g0 += group) {
+      const int64_t g1 = std::min(s1, g0 + group);
+      const int slice = static_cast<int>((kMr + (g1 - g0) - 1) / (g1 - g0));
+      zero_c();
+      for (int64_t s = g0; s < g1; ++s) {
+        rows_steps(w, bs, s, s + 1);
+        if (pending_ && row_ < kMr) {
+          promote_rows(part_[buffer_ ^ 1], sa_, sb_, row_, std::min(kMr, row_ + slice), acc_);
+          row_ += slice;
+        }
+      }
+      finish();
+      store_c(part_[buffer_], kNr * 4);
+      pending_ = true, row_ = 0;
+      sa_ = w_scales ? w_scales + (g0 / ga) * kMr : nullptr;
+      sb_ = sb ? sb + (g0 / gb) * kNr : nullptr;
+      acc_ = acc;
+      buffer_ ^= 1;
+    }
+  }
+  // Promotes what is pending (before its scales or sums are read or replaced).
+  void finish() {
+    if (pending_ && row_ < kMr) promote_rows(part_[buffer_ ^ 1], sa_, sb_, row_, kMr, acc_);
+    pending_ = false;
+  }
+
+ private:
+  alignas(64) float part_[2][kMr * kNr];
+  int buffer_ = 0, row_ = 0;
+  bool pending_ = false;
+  const float *sa_ = nullptr, *sb_ = nullptr;
+  float* acc_ = nullptr;
+};
 
 // Up to kMediumM rows of A against K-major weights.
 bool medium_m_takes(const GemmOperand& a, const GemmOperand& b) { return a.mn <= kMediumM && b.k_major; }
@@ -1865,6 +1905,7 @@ void medium_m(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t n1
   };
   AheadDecode ahead;
   t_ahead = &ahead;
+  PromotionPipe pipe;
   int buffer = 0;  // the half of weights the current micro-panel's chunks are decoded into
   const int64_t half = kKc / kChunk * kMr * kChunkWords;
   for (int64_t jb = n0; jb < n1; jb += block_rows) {
@@ -1880,6 +1921,7 @@ void medium_m(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t n1
         auto* words = reinterpret_cast<uint32_t*>(weights) + buffer * half;
         if (!ahead.holds(j0, pc)) ahead.begin(b, j0, rows, pc, kc, words, 1);
         ahead.take(chunks);
+        pipe.finish();  // (before w_scales are replaced)
         if (b.promote) pack_scales(b, j0, rows, pc, kc, w_scales);
         // The next micro-panel is decoded during these tiles where it can be by rows, and
         // the rows it reads where it cannot; then the one after it is requested into L2.
@@ -1901,19 +1943,36 @@ void medium_m(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t n1
         // Promoted tiles in passes were slower (FP8 f32 scales 128 x 4096 x 7168 4.55 -> 4.92),
         // as on the blocked path, and so were bf16 rows read in place (128 x 32768 x 512 1.90
         // -> 2.04). The same bits: each element's sums in the same order.
-        const bool promoted_tiles = b.promote || reinterpret_cast<const PanelHeader*>(act + (pc / kKc) * act_block)->promoted;
-        const int64_t steps = step_count(kc), pass = promoted_tiles || plain_bf16(b) ? steps : kChunk / kStep;
+        // The tiles go in passes of a chunk (8 steps) over A's panels, so that the chunk's
+        // 16 KiB of weights are loaded from L1 after the first panel rather than from L2
+        // each time, where the weights are decoded: bf16 rows read in place were slower in
+        // passes (128 x 32768 x 512 1.90 -> 2.04 ms). Promoted tiles run through the
+        // promotion pipe, without which passes were slower, as on the blocked path. 2
+        // threads, alternated minima, against whole K blocks a tile: FP8 ue8m0 128 x 4096 x
+        // 7168 3.92 -> 3.71 ms, 128 x 7168 x 2048 1.79 -> 1.66, 256 x 4096 x 7168 6.93 ->
+        // 6.49; FP8 x FP4 128 x 24576 x 1536 5.10 -> 4.68; FP8 f32 scales 128 x 4096 x 7168
+        // 4.56 -> 4.16, 128 x 24576 x 1536 5.77 -> 5.45. Passes of 4 or 16 steps gained less
+        // or lost. The same bits: each element's sums and promotions in the same order.
+        // (Promoted tiles: passes of whole promotion groups, which may be longer.)
+        const auto& act_header = *reinterpret_cast<const PanelHeader*>(act + (pc / kKc) * act_block);
+        const bool promoted_tiles = b.promote || act_header.promoted;
+        const int64_t steps = step_count(kc);
+        const int64_t group = std::min(b.promote ? b.gran_k / kStep : steps, act_header.promoted ? act_header.group_steps : steps);
+        const int64_t pass = plain_bf16(b) ? steps : promoted_tiles ? std::max(kChunk / kStep, group) : kChunk / kStep;
+        if (promoted_tiles && pc == 0) std::memset(acc + p * act_panels * kMr * kNr, 0, sizeof(float) * act_panels * kMr * kNr);
         for (int64_t s0 = 0; s0 < steps; s0 += pass)
           for (int64_t q = 0; q < act_panels; ++q) {
             const float* act_panel = act + (pc / kKc) * act_block + q * panel_floats(kc, kMr);
             float* c = acc + (p * act_panels + q) * kMr * kNr;  // (whole 32 x 32 tiles: past the operands, zeros)
-            rows_tile(kc, chunks, b.promote ? w_scales : nullptr, b.gran_k / kStep, act_panel, s0, std::min(steps, s0 + pass), c,
-                      pc > 0 || s0 > 0);
+            const int64_t s1 = std::min(steps, s0 + pass);
+            if (promoted_tiles) pipe.run(kc, chunks, b.promote ? w_scales : nullptr, b.gran_k / kStep, act_panel, s0, s1, c);
+            else rows_tile(chunks, act_panel, s0, s1, c, pc > 0 || s0 > 0);
           }
         buffer ^= 1;
       }
     }
     request_during_tiles(b, 0, 0, 0, 0, 0, 0);
+    pipe.finish();
     for (int64_t p = 0; p < panels; ++p)
       for (int64_t q = 0; q < act_panels; ++q)
         write_transposed(acc + (p * act_panels + q) * kMr * kNr, static_cast<int>(std::min<int64_t>(kMr, a.mn - q * kMr)),
