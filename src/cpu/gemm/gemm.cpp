@@ -304,8 +304,7 @@ class NextBPanelRequests {
 void sweep(const detail::GemmKernels& kern, const float* pa, const float* pb, int64_t mc, int64_t nc, int64_t kc,
            float* acc, int64_t panel_stride, bool accumulate, const LastBlock* last = nullptr) {
   if (kern.begin_tiles) kern.begin_tiles(false);  // a new A panel per tile
-  if (kern.tile_steps && kern.pass_k > 0 && kc > kern.pass_k && nc > 0 && mc > 0 &&
-      (!kern.passes_take || kern.passes_take(pa, pb)))
+  if (kern.tile_steps && kern.pass_k > 0 && kc > kern.pass_k && nc > 0 && mc > 0)
     return sweep_in_passes(kern, pa, pb, mc, nc, kc, acc, panel_stride, accumulate, last);
   alignas(64) float scratch[kMaxTileFloats];
   const bool to_scratch = last && !accumulate && kern.mr * kern.nr <= kMaxTileFloats;
@@ -357,6 +356,12 @@ void sweep_in_passes(const detail::GemmKernels& kern, const float* pa, const flo
     const float* bp = pb + panels_floats(kern, jr / kern.nr, kc, kern.nr);
     next_b.column(bp, jr + kern.nr >= nc);
     float* c_column = to_scratch ? column : acc + (jr / kern.nr) * panel_stride;
+    // Tile ir's last pass goes to D once the next tile's has run: its sums may be pending
+    // until then (GemmKernels::settle_tiles).
+    const auto write_tile = [&](int64_t ir) {
+      const int r = static_cast<int>(std::min<int64_t>(kern.mr, mc - ir));
+      write_block(*last->out, {c_column + ir * kern.nr, kern.nr, 0}, last->i0 + ir, last->i0 + ir + r, last->j0 + jr, cols);
+    };
     for (int64_t k0 = 0; k0 < kc; k0 += kern.pass_k) {
       const int64_t k1 = std::min(kc, k0 + kern.pass_k);
       const bool first = k0 == 0, final = k1 == kc;
@@ -366,9 +371,11 @@ void sweep_in_passes(const detail::GemmKernels& kern, const float* pa, const flo
         next_b.before_tile(k1 - k0);
         kern.tile_steps(kc, pa + panels_floats(kern, ir / kern.mr, kc, kern.mr), bp, k0, k1, c_tile, kern.nr, r, cols,
                         accumulate || !first);
-        if (final && last) write_block(*last->out, {c_tile, kern.nr, 0}, last->i0 + ir, last->i0 + ir + r, last->j0 + jr, cols);
+        if (final && last && ir > 0) write_tile(ir - kern.mr);
       }
     }
+    if (kern.settle_tiles) kern.settle_tiles();
+    if (last) write_tile((tiles - 1) * kern.mr);
   }
 }
 

@@ -1154,6 +1154,59 @@ void promote_groups(int64_t first, int64_t steps, int64_t group, const float* sa
     for (int h = 0; h < 2; ++h) _mm512_storeu_ps(c + i * ldc + 16 * h, _mm512_load_ps(acc + i * kNr + 16 * h));
 }
 
+// Promoted tiles in passes: each K group's sums (a tile's steps from zero) are promoted
+// into the tile's f32 sums in memory a slice of rows per step of the next group, whichever
+// tile that group belongs to, so that a pass ending does not wait for its last group's
+// promotion, as promote_groups, which keeps that pipeline within one run of a tile's steps,
+// does (in passes it measured slower than whole tiles). Each element takes its groups' fmas
+// in order, as promote_groups gives them: the same bits. What is pending must be promoted
+// (finish) before the sums are read or the scales it reads replaced.
+class PromotionPipe {
+ public:
+  // Steps [s0, s1) of a tile (whole promotion groups of `group` steps but the K block's
+  // last), scales as promote_groups takes them; run(t0, t1) adds steps [t0, t1) to the C
+  // tiles; acc: the tile's sums (32 x 32, row stride kNr, 64-byte aligned), accumulated
+  // onto, else from zero.
+  template <class Steps>
+  void run(int64_t s0, int64_t s1, int64_t group, const float* sa, int64_t ga, const float* sb, int64_t gb, Steps steps,
+           float* acc, bool accumulate) {
+    if (!accumulate) {
+      if (acc_ == acc) finish();
+      std::memset(acc, 0, sizeof(float) * kMr * kNr);
+    }
+    for (int64_t g0 = s0; g0 < s1; g0 += group) {
+      const int64_t g1 = std::min(s1, g0 + group);
+      const int slice = static_cast<int>((kMr + (g1 - g0) - 1) / (g1 - g0));
+      zero_c();
+      for (int64_t s = g0; s < g1; ++s) {
+        steps(s, s + 1);
+        if (pending_ && row_ < kMr) {
+          promote_rows(part_[buffer_ ^ 1], sa_, sb_, row_, std::min(kMr, row_ + slice), acc_);
+          row_ += slice;
+        }
+      }
+      finish();
+      store_c(part_[buffer_], kNr * 4);
+      pending_ = true, row_ = 0;
+      sa_ = sa ? sa + (g0 / ga) * kMr : nullptr;
+      sb_ = sb ? sb + (g0 / gb) * kNr : nullptr;
+      acc_ = acc;
+      buffer_ ^= 1;
+    }
+  }
+  void finish() {
+    if (pending_ && row_ < kMr) promote_rows(part_[buffer_ ^ 1], sa_, sb_, row_, kMr, acc_);
+    pending_ = false, acc_ = nullptr;
+  }
+
+ private:
+  alignas(64) float part_[2][kMr * kNr];
+  int buffer_ = 0, row_ = 0;
+  bool pending_ = false;
+  const float *sa_ = nullptr, *sb_ = nullptr;
+  float* acc_ = nullptr;
+};
+
 // Steps [s0, s1) of a tile whose panels are kc deep.
 void promoted_tile(int64_t kc, const float* a, const float* b, int64_t s0, int64_t s1, float* c, int64_t ldc,
                    bool accumulate) {
@@ -1184,9 +1237,9 @@ void begin_tiles(bool b_streams) {
   t_requests.lines = 0;  // (what an earlier run of tiles requested and did not take)
 }
 
-// (The driver calls begin_tiles first.) GemmKernels::tile_steps: K [k0, k1) of the block.
-void tile_steps(int64_t kc, const float* a, const float* b, int64_t k0, int64_t k1, float* c, int64_t ldc, int rows,
-                int cols, bool accumulate) {
+// K [k0, k1) of a tile (the driver calls begin_tiles first).
+void tile_steps_now(int64_t kc, const float* a, const float* b, int64_t k0, int64_t k1, float* c, int64_t ldc, int rows,
+                    int cols, bool accumulate) {
   const int64_t s0 = k0 / kStep, s1 = step_count(k1);
   if (rows == kMr && cols == kNr) return full_tile(kc, a, b, s0, s1, c, ldc, accumulate);
   // Partial tile: the full one on a scratch copy (padded panel rows and columns are zero).
@@ -1197,16 +1250,37 @@ void tile_steps(int64_t kc, const float* a, const float* b, int64_t k0, int64_t 
   for (int i = 0; i < rows; ++i) std::memcpy(c + i * ldc, scratch + i * kNr, static_cast<size_t>(cols) * 4);
 }
 
-// Promoted tiles send their sums out every K group; in passes they ran slower: FP8
-// (1,128,128) 4096 x 2112 x 7168 with f32 scales, 2 threads, alternated: 69.8-72.8 ms
-// against 66.3-68.1 as whole tiles (session 40); with their promotion overlapped and A
-// hinted, 70.3 against 63.6 (4096 x 24576 x 1536: 198.8 against 187.8).
-bool passes_take(const float* a, const float* b) {
-  return !reinterpret_cast<const PanelHeader*>(a)->promoted && !reinterpret_cast<const PanelHeader*>(b)->promoted;
+// The passes' promotion pipe (GemmKernels::tile_steps, settle_tiles).
+thread_local PromotionPipe t_pipe;
+void settle_tiles() { t_pipe.finish(); }
+
+// GemmKernels::tile_steps: whole promoted tiles whose sums lie as the driver's partial-sum
+// buffers hold them (row stride kNr, aligned) go through the promotion pipe; the rest as
+// whole tiles do, after what is pending. Promoted tiles had run slower in passes than as
+// whole tiles (FP8 (1,128,128) f32 scales 4096 x 2112 x 7168, 2 threads: 70.3 against 63.6
+// ms) and so kept whole tiles; through the pipe, alternated minima against whole tiles:
+// 4096 x 2112 x 7168 63.2 -> 60.6 ms and 61.1 -> 59.1, 4096 x 4096 x 7168 115.3 -> 111.1,
+// 4096 x 24576 x 1536 150.4 -> 147.7, 4096 x 32768 x 512 75.3 -> 73.1, 4096 x 7168 x 2048
+// even (the same bits).
+void tile_steps(int64_t kc, const float* a, const float* b, int64_t k0, int64_t k1, float* c, int64_t ldc, int rows,
+                int cols, bool accumulate) {
+  const auto& ha = *reinterpret_cast<const PanelHeader*>(a);
+  const auto& hb = *reinterpret_cast<const PanelHeader*>(b);
+  if ((ha.promoted || hb.promoted) && rows == kMr && cols == kNr && ldc == kNr && reinterpret_cast<uintptr_t>(c) % 64 == 0) {
+    const int64_t steps = step_count(kc);
+    const int64_t ga = ha.promoted ? ha.group_steps : steps, gb = hb.promoted ? hb.group_steps : steps;
+    const uint8_t *as = panel_steps(a), *bs = panel_steps(b);
+    return t_pipe.run(
+        k0 / kStep, step_count(k1), std::min(ga, gb), ha.promoted ? a + scales_offset(kc) : nullptr, ga,
+        hb.promoted ? b + scales_offset(kc) : nullptr, gb, [&](int64_t t0, int64_t t1) { run_hinted_steps(as, bs, t0, t1); }, c,
+        accumulate);
+  }
+  t_pipe.finish();
+  tile_steps_now(kc, a, b, k0, k1, c, ldc, rows, cols, accumulate);
 }
 
 void tile(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, int rows, int cols, bool accumulate) {
-  tile_steps(kc, a, b, 0, kc, c, ldc, rows, cols, accumulate);
+  tile_steps_now(kc, a, b, 0, kc, c, ldc, rows, cols, accumulate);
 }
 
 // ---------------------------------------------------------------- small M: weights streamed
@@ -1812,57 +1886,6 @@ void rows_tile(const RowChunks& w, const float* b, int64_t s0, int64_t s1, float
   store_c(c, kNr * 4);
 }
 
-// Promoted medium_m tiles in passes: each K group's sums (a tile's steps from zero) are
-// promoted into the tile's f32 sums in memory a slice of rows per step of the next group,
-// whichever tile that group belongs to, so that a pass ending does not wait for its last
-// group's promotion (promote_groups keeps that pipeline within one tile's run of steps).
-// Each element takes its groups' fmas in order, as promote_groups gives them: the same bits.
-class PromotionPipe {
- public:
-  // Steps [s0, s1) (whole promotion groups of `group` steps but the call's last) of a
-  // tile: weights `w` (scales w_scales, kMr per w_group steps; null: not promoted) against
-  // the panel `b` (its scales, if promoted, in the panel), into acc (32 x 32, stride kNr).
-  void run(int64_t kc, const RowChunks& w, const float* w_scales, int64_t w_group, const float* b, int64_t s0, int64_t s1,
-           float* acc) {
-    const auto& hb = *reinterpret_cast<const PanelHeader*>(b);
-    const int64_t steps = step_count(kc), ga = w_scales ? w_group : steps, gb = hb.promoted ? hb.group_steps : steps;
-    const int64_t group = std::min(ga, gb);
-    const float* sb = hb.promoted ? b + scales_offset(kc) : nullptr;
-    const uint8_t* bs = panel_steps(b);
-    for (int64_t g0 = s0; g0 < s1; g0 += group) {
-      const int64_t g1 = std::min(s1, g0 + group);
-      const int slice = static_cast<int>((kMr + (g1 - g0) - 1) / (g1 - g0));
-      zero_c();
-      for (int64_t s = g0; s < g1; ++s) {
-        rows_steps(w, bs, s, s + 1);
-        if (pending_ && row_ < kMr) {
-          promote_rows(part_[buffer_ ^ 1], sa_, sb_, row_, std::min(kMr, row_ + slice), acc_);
-          row_ += slice;
-        }
-      }
-      finish();
-      store_c(part_[buffer_], kNr * 4);
-      pending_ = true, row_ = 0;
-      sa_ = w_scales ? w_scales + (g0 / ga) * kMr : nullptr;
-      sb_ = sb ? sb + (g0 / gb) * kNr : nullptr;
-      acc_ = acc;
-      buffer_ ^= 1;
-    }
-  }
-  // Promotes what is pending (before its scales or sums are read or replaced).
-  void finish() {
-    if (pending_ && row_ < kMr) promote_rows(part_[buffer_ ^ 1], sa_, sb_, row_, kMr, acc_);
-    pending_ = false;
-  }
-
- private:
-  alignas(64) float part_[2][kMr * kNr];
-  int buffer_ = 0, row_ = 0;
-  bool pending_ = false;
-  const float *sa_ = nullptr, *sb_ = nullptr;
-  float* acc_ = nullptr;
-};
-
 // Up to kMediumM rows of A against K-major weights.
 bool medium_m_takes(const GemmOperand& a, const GemmOperand& b) { return a.mn <= kMediumM && b.k_major; }
 
@@ -1959,14 +1982,20 @@ void medium_m(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t n1
         const int64_t steps = step_count(kc);
         const int64_t group = std::min(b.promote ? b.gran_k / kStep : steps, act_header.promoted ? act_header.group_steps : steps);
         const int64_t pass = plain_bf16(b) ? steps : promoted_tiles ? std::max(kChunk / kStep, group) : kChunk / kStep;
-        if (promoted_tiles && pc == 0) std::memset(acc + p * act_panels * kMr * kNr, 0, sizeof(float) * act_panels * kMr * kNr);
         for (int64_t s0 = 0; s0 < steps; s0 += pass)
           for (int64_t q = 0; q < act_panels; ++q) {
             const float* act_panel = act + (pc / kKc) * act_block + q * panel_floats(kc, kMr);
             float* c = acc + (p * act_panels + q) * kMr * kNr;  // (whole 32 x 32 tiles: past the operands, zeros)
             const int64_t s1 = std::min(steps, s0 + pass);
-            if (promoted_tiles) pipe.run(kc, chunks, b.promote ? w_scales : nullptr, b.gran_k / kStep, act_panel, s0, s1, c);
-            else rows_tile(chunks, act_panel, s0, s1, c, pc > 0 || s0 > 0);
+            const bool accumulate = pc > 0 || s0 > 0;
+            if (!promoted_tiles) {
+              rows_tile(chunks, act_panel, s0, s1, c, accumulate);
+              continue;
+            }
+            const int64_t ga = b.promote ? b.gran_k / kStep : steps, gb = act_header.promoted ? act_header.group_steps : steps;
+            pipe.run(
+                s0, s1, group, b.promote ? w_scales : nullptr, ga, act_header.promoted ? act_panel + scales_offset(kc) : nullptr, gb,
+                [&](int64_t t0, int64_t t1) { rows_steps(chunks, panel_steps(act_panel), t0, t1); }, c, accumulate);
           }
         buffer ^= 1;
       }
@@ -2113,8 +2142,8 @@ const GemmKernels& gemm_kernels_amx() {
     t.begin_tiles = &begin_tiles;
     t.request_during_tile = &request_during_tile;
     t.tile_steps = &tile_steps;
+    t.settle_tiles = &settle_tiles;
     t.pass_k = kPassK;
-    t.passes_take = &passes_take;
     t.medium_m = &medium_m;
     t.medium_m_takes = &medium_m_takes;
     t.prepare = &prepare;
