@@ -908,12 +908,15 @@ TEST(GemmPacked, BitIdenticalToUnpackedCall) {
   }
 }
 
-// Promoted tiles at 33 to 256 rows against K-major weights (medium_m under AMX) run in passes
-// of at least a chunk of K over A's panels, each K group's sums promoted during the next
-// group's steps, which may be another tile's: promotion groups of 1, 4, 16 and 32 steps
-// (the last two longer than a pass), scales on the weights, on A or on both, K with two
-// blocks and a partial chunk, a partial strip of weights and a partial panel of A. The
-// unpacked call must give the packed (blocked) call's bits, and the oracle's values.
+// Promoted tiles run in passes of K over several tiles under AMX (at 33 to 256 rows against
+// K-major weights, medium_m, at least a chunk of K; on the blocked path, which packed weights
+// take, 512), each K group's sums promoted during the next group's steps, which may be
+// another tile's: promotion groups of 1, 4, 16 and 32 steps (the last two longer than
+// medium_m's pass, the last longer than the blocked path's), scales on the weights, on A or
+// on both, K with two blocks and a partial chunk, a partial strip of weights and a partial
+// panel of A; and 200 x 1500 x 1100 with bf16 D, whose blocked tiles go to D as they finish
+// (a partial-sum block over 1 MiB), each once the next tile has run. The unpacked call must give the packed
+// (blocked) call's bits, and the oracle's values.
 TEST(GemmPacked, PromotedMediumRowsSameBitsAsPacked) {
   ThreadGuard guard;
   uint64_t seed = 9400;
@@ -921,10 +924,10 @@ TEST(GemmPacked, PromotedMediumRowsSameBitsAsPacked) {
     set_num_threads(threads);
     for (const int64_t gran_k : {32, 128, 512, 1024})
       for (const int scaled : {0, 1, 2})  // 0: both operands' scales promoted; 1: A's only; 2: the weights' only
-        for (const int64_t m : {40, 130}) {
-          const int64_t n = 100, k = 2600;
+        for (const auto& [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{40, 100, 2600}, {130, 100, 2600}, {200, 1500, 1100}}) {
+          if (n == 1500 && (gran_k != 128 || scaled != 0)) continue;
           SCOPED_TRACE("threads " + std::to_string(threads) + ", gran_k " + std::to_string(gran_k) + ", scaled " +
-                       std::to_string(scaled) + ", m " + std::to_string(m));
+                       std::to_string(scaled) + ", " + std::to_string(m) + " x " + std::to_string(n) + " x " + std::to_string(k));
           Quantized qa = per_token_cast_to_fp8(random_bf16(m, k, seed++), false, gran_k);
           Quantized qb = per_token_cast_to_fp8(random_bf16(n, k, seed++), false, gran_k);
           // (Scales of 1 are exact: that operand's scales fold, and only the other's are promoted.)
@@ -932,10 +935,12 @@ TEST(GemmPacked, PromotedMediumRowsSameBitsAsPacked) {
           if (scaled == 1) std::fill_n(qb.sf.data_ptr<float>(), qb.sf.numel(), 1.0f);
           GemmOptions o;
           o.recipe = Recipe{1, 1, gran_k};
-          Tensor unpacked = Tensor::empty({m, n}, DType::f32), packed = Tensor::empty({m, n}, DType::f32);
+          // (bf16 D for the large case: the blocked path writes f32 D of one K block straight from the tiles.)
+          const DType d_dtype = n == 1500 ? DType::bf16 : DType::f32;
+          Tensor unpacked = Tensor::empty({m, n}, d_dtype), packed = Tensor::empty({m, n}, d_dtype);
           fp8_fp4_gemm_nt(qa, qb, unpacked, Tensor(), o);
           fp8_fp4_gemm_packed(qa, pack_fp8_fp4_weights(qb, true, o), packed, Tensor(), o);
-          EXPECT_EQ(0, std::memcmp(unpacked.data(), packed.data(), static_cast<size_t>(m * n) * 4));
+          EXPECT_EQ(0, std::memcmp(unpacked.data(), packed.data(), static_cast<size_t>(m * n) * element_size(d_dtype)));
           const std::vector<double> want = ref::gemm(Layout::nt, {qa.values, qa.sf, 1, gran_k}, {qb.values, qb.sf, 1, gran_k});
           EXPECT_LE(ref::calc_diff(ref::to_f64(unpacked), want), 1e-5);
         }

@@ -304,7 +304,8 @@ class NextBPanelRequests {
 void sweep(const detail::GemmKernels& kern, const float* pa, const float* pb, int64_t mc, int64_t nc, int64_t kc,
            float* acc, int64_t panel_stride, bool accumulate, const LastBlock* last = nullptr) {
   if (kern.begin_tiles) kern.begin_tiles(false);  // a new A panel per tile
-  if (kern.tile_steps && kern.pass_k > 0 && kc > kern.pass_k && nc > 0 && mc > 0)
+  if (kern.tile_steps && kern.pass_k > 0 && kc > kern.pass_k && nc > 0 && mc > 0 &&
+      (!kern.passes_take || kern.passes_take(pa, pb)))
     return sweep_in_passes(kern, pa, pb, mc, nc, kc, acc, panel_stride, accumulate, last);
   alignas(64) float scratch[kMaxTileFloats];
   const bool to_scratch = last && !accumulate && kern.mr * kern.nr <= kMaxTileFloats;

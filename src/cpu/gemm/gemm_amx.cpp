@@ -1279,6 +1279,16 @@ void tile_steps(int64_t kc, const float* a, const float* b, int64_t k0, int64_t 
   tile_steps_now(kc, a, b, k0, k1, c, ldc, rows, cols, accumulate);
 }
 
+// Passes keep each promotion group within one pass (a group's sums are one chain of tile
+// products from zero), so panels promoted in groups longer than a pass take whole tiles.
+bool passes_take(const float* a, const float* b) {
+  const auto fits = [](const float* panel) {
+    const auto& h = *reinterpret_cast<const PanelHeader*>(panel);
+    return !h.promoted || h.group_steps * kStep <= kPassK;
+  };
+  return fits(a) && fits(b);
+}
+
 void tile(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, int rows, int cols, bool accumulate) {
   tile_steps_now(kc, a, b, 0, kc, c, ldc, rows, cols, accumulate);
 }
@@ -2143,6 +2153,7 @@ const GemmKernels& gemm_kernels_amx() {
     t.request_during_tile = &request_during_tile;
     t.tile_steps = &tile_steps;
     t.settle_tiles = &settle_tiles;
+    t.passes_take = &passes_take;
     t.pass_k = kPassK;
     t.medium_m = &medium_m;
     t.medium_m_takes = &medium_m_takes;

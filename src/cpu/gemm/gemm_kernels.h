@@ -95,10 +95,13 @@ struct GemmKernels {
   // of tiles (a B panel) after another, so that the B panel's pass is reused from L1 by
   // every tile of the column; the sums go through c between passes (f32, exact: the same
   // bits as whole tiles). tile_steps is tile() over K [k0, k1) of the block (k0 a multiple
-  // of pass_k, which is a multiple of the target's K step); null: whole tiles.
+  // of pass_k, which is a multiple of the target's K step); null: whole tiles. passes_take
+  // says whether panels like these take passes (AMX: not those promoted in K groups longer
+  // than a pass).
   void (*tile_steps)(int64_t kc, const float* a, const float* b, int64_t k0, int64_t k1, float* c, int64_t ldc,
                      int rows, int cols, bool accumulate) = nullptr;
   int64_t pass_k = 0;
+  bool (*passes_take)(const float* a_panel, const float* b_panel) = nullptr;  // (null: all panels)
   // tile_steps may leave a tile's last sums pending (AMX: promoted tiles, whose promotion of
   // one K group overlaps the next group's products, the next tile's included): the driver
   // calls settle_tiles before it reads the sums of the latest tile_steps call (null: never
