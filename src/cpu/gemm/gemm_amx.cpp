@@ -1967,15 +1967,6 @@ void medium_m(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t n1
         }
         if (fetch) request_during_tiles(b, fetch->j0(), rows_of(*fetch), fetch->pc, std::min(kKc, k - fetch->pc), act_panels, kc);
         else request_during_tiles(b, 0, 0, 0, 0, 0, 0);
-        // Decoded weights whose tiles are not promoted go in passes of a chunk (8 steps)
-        // over A's panels, so that the chunk's 16 KiB are loaded from L1 after the first
-        // panel rather than from L2 each time (2 threads, alternated minima: FP8 ue8m0 128 x
-        // 4096 x 7168 3.92 -> 3.71 ms, 128 x 7168 x 2048 1.79 -> 1.66, 256 x 4096 x 7168 6.93
-        // -> 6.49; FP8 x FP4 128 x 24576 x 1536 5.10 -> 4.68, 128 x 2112 x 7168 2.22 -> 2.10;
-        // 128 x 32768 x 512 2.35 against 2.45). Passes of 4 or 16 steps gained less or lost.
-        // Promoted tiles in passes were slower (FP8 f32 scales 128 x 4096 x 7168 4.55 -> 4.92),
-        // as on the blocked path, and so were bf16 rows read in place (128 x 32768 x 512 1.90
-        // -> 2.04). The same bits: each element's sums in the same order.
         // The tiles go in passes of a chunk (8 steps) over A's panels, so that the chunk's
         // 16 KiB of weights are loaded from L1 after the first panel rather than from L2
         // each time, where the weights are decoded: bf16 rows read in place were slower in
@@ -1990,8 +1981,8 @@ void medium_m(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t n1
         const auto& act_header = *reinterpret_cast<const PanelHeader*>(act + (pc / kKc) * act_block);
         const bool promoted_tiles = b.promote || act_header.promoted;
         const int64_t steps = step_count(kc);
-        const int64_t group = std::min(b.promote ? b.gran_k / kStep : steps, act_header.promoted ? act_header.group_steps : steps);
-        const int64_t pass = plain_bf16(b) ? steps : promoted_tiles ? std::max(kChunk / kStep, group) : kChunk / kStep;
+        const int64_t ga = b.promote ? b.gran_k / kStep : steps, gb = act_header.promoted ? act_header.group_steps : steps;
+        const int64_t pass = plain_bf16(b) ? steps : promoted_tiles ? std::max(kChunk / kStep, std::min(ga, gb)) : kChunk / kStep;
         for (int64_t s0 = 0; s0 < steps; s0 += pass)
           for (int64_t q = 0; q < act_panels; ++q) {
             const float* act_panel = act + (pc / kKc) * act_block + q * panel_floats(kc, kMr);
@@ -2002,9 +1993,8 @@ void medium_m(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t n1
               rows_tile(chunks, act_panel, s0, s1, c, accumulate);
               continue;
             }
-            const int64_t ga = b.promote ? b.gran_k / kStep : steps, gb = act_header.promoted ? act_header.group_steps : steps;
             pipe.run(
-                s0, s1, group, b.promote ? w_scales : nullptr, ga, act_header.promoted ? act_panel + scales_offset(kc) : nullptr, gb,
+                s0, s1, std::min(ga, gb), b.promote ? w_scales : nullptr, ga, act_header.promoted ? act_panel + scales_offset(kc) : nullptr, gb,
                 [&](int64_t t0, int64_t t1) { rows_steps(chunks, panel_steps(act_panel), t0, t1); }, c, accumulate);
           }
         buffer ^= 1;
