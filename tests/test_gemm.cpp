@@ -916,7 +916,9 @@ TEST(GemmPacked, BitIdenticalToUnpackedCall) {
 // on both, K with two blocks and a partial chunk, a partial strip of weights and a partial
 // panel of A; and 200 x 1500 x 1100 with bf16 D, whose blocked tiles go to D as they finish
 // (a partial-sum block over 1 MiB), each once the next tile has run. The unpacked call must give the packed
-// (blocked) call's bits, and the oracle's values.
+// (blocked) call's bits, and the oracle's values; and the first 16 rows of D must be the
+// bits of a 16-row call, which takes neither pipe under AMX (the streaming path promotes
+// each group of a strip in turn).
 TEST(GemmPacked, PromotedMediumRowsSameBitsAsPacked) {
   ThreadGuard guard;
   uint64_t seed = 9400;
@@ -941,6 +943,10 @@ TEST(GemmPacked, PromotedMediumRowsSameBitsAsPacked) {
           fp8_fp4_gemm_nt(qa, qb, unpacked, Tensor(), o);
           fp8_fp4_gemm_packed(qa, pack_fp8_fp4_weights(qb, true, o), packed, Tensor(), o);
           EXPECT_EQ(0, std::memcmp(unpacked.data(), packed.data(), static_cast<size_t>(m * n) * element_size(d_dtype)));
+          const Quantized first_rows{qa.values.slice(0, 0, 16), qa.sf.slice(0, 0, 16)};
+          Tensor few = Tensor::empty({16, n}, d_dtype);
+          fp8_fp4_gemm_nt(first_rows, qb, few, Tensor(), o);
+          EXPECT_EQ(0, std::memcmp(few.data(), unpacked.data(), static_cast<size_t>(16 * n) * element_size(d_dtype))) << "16 rows";
           const std::vector<double> want = ref::gemm(Layout::nt, {qa.values, qa.sf, 1, gran_k}, {qb.values, qb.sf, 1, gran_k});
           EXPECT_LE(ref::calc_diff(ref::to_f64(unpacked), want), 1e-5);
         }

@@ -1043,8 +1043,9 @@ inline void load_step(const uint8_t* as, const uint8_t* bs) {
 }
 
 // The weight rows medium_m reads next, requested a share per step of the tiles that run
-// meanwhile (request_during_tiles), so that the next micro-panel's rows are in L2 when its
-// chunks are decoded or tile-loaded.
+// meanwhile (request_during_tiles), so that a micro-panel's rows are in L2 when its chunks
+// are decoded or tile-loaded: the next micro-panel's, or, where the next one is decoded
+// during these tiles (AheadDecode), the one after it.
 thread_local std::optional<NextPanelRequests> t_tile_requests;
 
 // Byte offset of element k along a K-major row of op (e2m1x2: two per byte, rounded up).
@@ -1777,8 +1778,8 @@ void stream_rows(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t
 // the roles swap, as on the streaming path: weight rows are the tiles' row operand, read
 // 256 K at a time where they are (bf16) or decoded (StripSource::chunk), and A, packed once
 // per call as B panels, the other. Each micro-panel of 32 weight rows is swept against
-// every panel of A, K block by K block, while the next micro-panel's source rows are
-// requested. tdpbf16ps is symmetric in its operands and the promotion's scale product
+// every panel of A, K block by K block, while the next micro-panel is decoded (or, read in
+// place, its source rows requested). tdpbf16ps is symmetric in its operands and the promotion's scale product
 // commutes, so every element is the blocked path's chain, K block for K block: the same
 // bits (tested against pre-packed weights, which take the blocked path).
 
@@ -1884,8 +1885,8 @@ inline void rows_steps(const RowChunks& w, const uint8_t* bs, int64_t s0, int64_
   }
 }
 
-// Steps [s0, s1) of a 32 x 32 tile of medium_m against a B panel that is not promoted (c:
-// 32 x 32, row stride kNr), full_tile's sums from zero or onto c's (accumulate), with the
+// Steps [s0, s1) of a 32 x 32 tile of medium_m where neither the weights nor the B panel
+// are promoted (c: 32 x 32, row stride kNr), full_tile's sums from zero or onto c's (accumulate), with the
 // weights' tiles loaded from their rows (in place, or decoded a chunk at a time) rather
 // than from a packed copy (copying plain bf16 rows into panels had taken a third as long as
 // the products at 128 x 32768 x 512).
