@@ -1401,6 +1401,7 @@ void take_sums(const Stream& st, bool odd, float* sums) {
 struct StreamTiles {
   static constexpr int64_t kSlice = 1;  // steps per call while the next chunk is decoded by rows
   static bool bf16_by_rows(const GemmOperand&) { return false; }  // plain bf16 weight rows loaded where they are
+  static constexpr bool kFarRequests = false;  // (StripSource::decode_rows)
   const Stream& st;
   void zero() const { zero_c(); }
   void steps(bool odd, const uint8_t* w, int64_t stride, const uint8_t* x, int64_t s0, int64_t s1) const {
@@ -1460,9 +1461,12 @@ class StripSource {
 
   // next_rows: how many rows the strip after this one has (0: none), whose first chunk
   // this strip's last chunk requests. requests: whether decode_rows requests what the
-  // streaming path reads next (medium_m requests its own).
-  StripSource(const GemmOperand& b, int64_t j0, int rows, int next_rows, bool bf16_by_rows, bool requests = true)
+  // streaming path reads next (medium_m requests its own); far_requests: whether also
+  // the chunk two strips on (see decode_rows).
+  StripSource(const GemmOperand& b, int64_t j0, int rows, int next_rows, bool bf16_by_rows, bool requests = true,
+              bool far_requests = true)
       : b_(b), j0_(j0), rows_(rows), next_rows_(next_rows), full_(rows == kMr), requests_(requests),
+        far_requests_(far_requests),
         bf16_by_rows_(bf16_by_rows && plain_bf16(b)),
         row_bytes_(b.ld * static_cast<int64_t>(element_size(b.dtype))),
         first_row_(row_ptr(b, j0)),
@@ -1526,7 +1530,11 @@ class StripSource {
     // 2.42-2.67 ms, 8 x 65536 x 256 2.23-2.30 -> 1.97-2.19, 20 x 16384 x 768 2.45-2.49 ->
     // 2.29-2.38; FP8 16 x 32768 x 512 2.20-2.47 -> 2.01-2.04, 16 x 7168 x 2048 1.82-2.04 ->
     // 1.72-1.95; longer rows even, FP8 16 x 7168 x 16384 14.2-14.6 against 14.1-15.0).
-    if (row_bytes_ <= kFarRowBytes)
+    // On the AMX tiles (StreamTiles::kFarRequests) they were slower: session 42, 2 threads
+    // of the AMX Xeon, from DRAM, alternated: FP8 (1,128,128) f32 scales 16 x 7168 x 2048
+    // 0.80 -> 0.71 ms without them, 16 x 24576 x 1536 2.05 -> 1.75, 4 x 24576 x 1536 1.95
+    // -> 1.66; 16 x 32768 x 512 and bf16 even.
+    if (far_requests_ && row_bytes_ <= kFarRowBytes)
       request_rows(first + static_cast<uintptr_t>(2 * kMr * row_bytes_ + bytes(k0)), r0, r1, bytes(std::min(kChunk, b_.k - k0)));
     decode_rows_here(k0, r0, r1, shifts, words);
   }
@@ -1563,7 +1571,7 @@ class StripSource {
   const GemmOperand& b_;
   int64_t j0_;
   int rows_, next_rows_;
-  bool full_, requests_;
+  bool full_, requests_, far_requests_;
   bool bf16_by_rows_;  // plain bf16 rows copied into the chunk buffer by rows (decode_rows), not read in place
   int64_t row_bytes_;
   const uint8_t* first_row_;
@@ -1759,12 +1767,14 @@ void stream_rows(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t
   alignas(64) float acc[kMr * kNr];
   std::optional<StripSource> sources[2];  // this strip's and the next one's
   auto strip_rows = [&](int64_t j0) { return static_cast<int>(std::clamp<int64_t>(n1 - j0, 0, kMr)); };
-  if (n0 < n1) sources[0].emplace(b, n0, strip_rows(n0), strip_rows(n0 + kMr), Steps::bf16_by_rows(b));
+  if (n0 < n1) sources[0].emplace(b, n0, strip_rows(n0), strip_rows(n0 + kMr), Steps::bf16_by_rows(b), true, Steps::kFarRequests);
   StripCursor cursor;
   for (int64_t j0 = n0, i = 0; j0 < n1; j0 += kMr, i ^= 1) {
     const int rows = strip_rows(j0);
     StripSource* next = nullptr;
-    if (j0 + kMr < n1) next = &sources[i ^ 1].emplace(b, j0 + kMr, strip_rows(j0 + kMr), strip_rows(j0 + 2 * kMr), Steps::bf16_by_rows(b));
+    if (j0 + kMr < n1)
+      next = &sources[i ^ 1].emplace(b, j0 + kMr, strip_rows(j0 + kMr), strip_rows(j0 + 2 * kMr), Steps::bf16_by_rows(b), true,
+                                     Steps::kFarRequests);
     stream_strip(st, products, *sources[i], next, cursor, acc);
     write_transposed(acc, static_cast<int>(a.mn), rows, out + (j0 - n0), ld_out);
   }
