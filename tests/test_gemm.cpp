@@ -1110,6 +1110,48 @@ TEST(GemmBf16Pairs, TakesWhatItCanPromoteAndLeavesTheRestToAvx512) {
   }
 }
 
+// Whether a call folds the weights' scales or promotes them is decided from every scale of
+// the call (AMX: rows of scales stored back to back are checked as one run, split between
+// the threads past 65536 scales), and the two give different bits on some targets. FP4
+// weights of 2100 x 1024 with 1 x 32 scales (67200 of them), every scale a power of two but
+// one, placed in the first or the last part of the run, f32 or packed ue8m0: the 100 columns
+// of D whose weight rows hold that scale (the last 100 where there is none) must have the
+// bits of a call on those 100 weight rows alone (6400 scales, one part, the same decision),
+// and D the oracle's values. On each bf16-pair target (AMX's own bits agree either way on
+// these weights; avx512_bf16's do not), else on the active one.
+TEST(GemmBf16Pairs, ScaleCheckSeesEveryScale) {
+  ThreadGuard guard;
+  set_num_threads(2);
+  std::vector<Isa> isas = bf16_pair_isas();
+  if (isas.empty()) isas.push_back(active_isa());
+  for (const Isa isa : isas) {
+  ScopedIsa scoped(isa);
+  SCOPED_TRACE(isa_name(isa));
+  const int64_t m = 16, n = 2100, k = 1024, gran = 32, groups = k / gran, part = 100;
+  const Quantized qa = per_token_cast_to_fp8(random_bf16(m, k, 61), true, gran);
+  for (const bool packed : {false, true})
+    for (const int64_t odd : {int64_t{-1}, int64_t{5}, n * groups - 1}) {  // (-1: every scale a power of two)
+      SCOPED_TRACE(std::string(packed ? "packed ue8m0" : "f32") + " scales, odd scale at " + std::to_string(odd));
+      Quantized qb = per_token_cast_to_fp4(random_bf16(n, k, 62), true, gran);
+      // A scale that does not fold: 1.5 x a power of two, or, packed, the exponent byte 0 (2^-127).
+      if (odd >= 0) qb.sf.data_ptr<float>()[odd] = packed ? 0x1p-127f : 1.5f * qb.sf.data_ptr<float>()[odd];
+      const Tensor sf = packed ? pack_ue8m0_to_int(qb.sf) : qb.sf;
+      const int64_t j0 = odd == 5 ? 0 : n - part;  // the weight rows compared
+      const Quantized rows{qb.values.slice(0, j0, j0 + part), sf.slice(0, j0, j0 + part)};
+      GemmOptions o;
+      o.recipe = Recipe{1, 1, gran};
+      Tensor d = Tensor::empty({m, n}, DType::f32), d_rows = Tensor::empty({m, part}, DType::f32);
+      fp8_fp4_gemm_nt(qa, {qb.values, sf}, d, Tensor(), o);
+      fp8_fp4_gemm_nt(qa, rows, d_rows, Tensor(), o);
+      for (int64_t i = 0; i < m; ++i)
+        EXPECT_EQ(0, std::memcmp(d.data_ptr<float>() + i * n + j0, d_rows.data_ptr<float>() + i * part, part * 4))
+            << "row " << i;
+      const std::vector<double> want = ref::gemm(Layout::nt, {qa.values, qa.sf, 1, gran}, {qb.values, qb.sf, 1, gran});
+      EXPECT_LE(ref::calc_diff(ref::to_f64(d), want), 1e-5);
+    }
+  }
+}
+
 // Up to 32 rows of A stream B through the tiles (B decoded a chunk of up to 32 rows x 256 K
 // at a time). FP4 and FP8 weights with power-of-two scales are folded there by adding the
 // scale's exponent to the code's bf16 bits, which the streaming decoders do only for
