@@ -31,7 +31,6 @@
 #include "bf16_panels.h"
 #include "gemm_kernels.h"
 
-namespace moekit { int g_exp = 0; }
 namespace moekit::detail {
 namespace {
 
@@ -1525,7 +1524,6 @@ class StripSource {
     const int64_t after = b_.k - k0 - kChunk;  // values of the rows after this chunk
     const auto first = reinterpret_cast<uintptr_t>(first_row_);
     if (after > 0) request_rows(first + bytes(k0 + kChunk), r0, r1, bytes(std::min(kChunk, after)));
-    if (g_exp == 11 && after > kChunk) request_rows(first + bytes(k0 + 2 * kChunk), r0, r1, bytes(std::min(kChunk, after - kChunk)));
     if (after < kChunk) request_rows(first + kMr * row_bytes_, r0, std::min(r1, next_rows_), bytes(std::min(kChunk, b_.k)));
     // Rows of at most 4 KiB: also this chunk's place two strips on (256 KiB ahead at most),
     // where the next strip's first chunk, requested during this strip's last, came too late
