@@ -1114,9 +1114,9 @@ TEST(GemmBf16Pairs, TakesWhatItCanPromoteAndLeavesTheRestToAvx512) {
 // the call (AMX: rows of scales stored back to back are checked as one run, split between
 // the threads past 65536 scales), and the two give different bits on some targets. FP4
 // weights of 2100 x 1024 with 1 x 32 scales (67200 of them), every scale a power of two but
-// one, placed in the first or the last part of the run, f32 or packed ue8m0: the 100 columns
+// one, placed in the first or the last part of the run or at the parts' border, f32 or packed ue8m0: the 100 columns
 // of D whose weight rows hold that scale (the last 100 where there is none) must have the
-// bits of a call on those 100 weight rows alone (6400 scales, one part, the same decision),
+// bits of a call on those 100 weight rows alone (3200 scales, one part, the same decision),
 // and D the oracle's values. On each bf16-pair target (AMX's own bits agree either way on
 // these weights; avx512_bf16's do not), else on the active one.
 TEST(GemmBf16Pairs, ScaleCheckSeesEveryScale) {
@@ -1130,7 +1130,9 @@ TEST(GemmBf16Pairs, ScaleCheckSeesEveryScale) {
   const int64_t m = 16, n = 2100, k = 1024, gran = 32, groups = k / gran, part = 100;
   const Quantized qa = per_token_cast_to_fp8(random_bf16(m, k, 61), true, gran);
   for (const bool packed : {false, true})
-    for (const int64_t odd : {int64_t{-1}, int64_t{5}, n * groups - 1}) {  // (-1: every scale a power of two)
+    // (-1: every scale a power of two; 65535 and 65536: the last of the first part and the
+    // first of the second)
+    for (const int64_t odd : {int64_t{-1}, int64_t{5}, int64_t{65535}, int64_t{65536}, n * groups - 1}) {
       SCOPED_TRACE(std::string(packed ? "packed ue8m0" : "f32") + " scales, odd scale at " + std::to_string(odd));
       Quantized qb = per_token_cast_to_fp4(random_bf16(n, k, 62), true, gran);
       // A scale that does not fold: 1.5 x a power of two, or, packed, the exponent byte 0 (2^-127).

@@ -2087,7 +2087,7 @@ bool exact_scales(const GemmOperand& op) {
     if (count <= kPart) return exact_scale_row(op, op.sf, count);
     bool exact = true;
     const int64_t parts = (count + kPart - 1) / kPart;
-#pragma omp parallel for schedule(static) reduction(&& : exact) num_threads(std::max(1, num_threads()))
+#pragma omp parallel for schedule(static) reduction(&& : exact) num_threads(static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(parts, num_threads()))))
     for (int64_t p = 0; p < parts; ++p)
       exact = exact && exact_scale_row(op, static_cast<const int32_t*>(op.sf) + p * kPart / per,
                                        std::min(kPart, count - p * kPart));
