@@ -1016,7 +1016,7 @@ inline void zero_c() {
 // 88-90 ms; bf16 4096 x 7168 x 2048 (A streams) even to 4 % faster; the hint on the reused
 // operand instead was 1-4 % slower. Promoted tiles (4 steps per K group, then the
 // sums go out) take it too since their promotion overlaps the next group's products
-// (promote_groups): FP8 with f32 scales, 4096 x N x K, 2 threads, alternated minima, 2112
+// (PromotionPipe): FP8 with f32 scales, 4096 x N x K, 2 threads, alternated minima, 2112
 // x 7168 66.3 -> 63.6 ms, 4096 x 7168 118.9 -> 115.7, 32768 x 512 115.8 -> 110.2 (before
 // that overlap the hint had made them 5-7 % slower).
 thread_local bool t_b_streams = false;
@@ -1112,63 +1112,26 @@ inline void promote_rows(const float* part, const float* sa, const float* sb, in
   }
 }
 
-// Promoted: the tiles sum one K group (the finer of the two operands' groups) at a time
-// from zero; each group's sums go to memory and are promoted in f32 with AVX-512,
+// Promoted tiles: the tiles sum one K group (the finer of the two operands' groups) at a
+// time from zero; each group's sums go to memory and are promoted in f32 with AVX-512,
 // acc = fma(partial, sa[i] · sb[j], acc) (an operand that is not promoted has scale 1).
-// [first, steps): the tile's steps (first a multiple of group: passes); group: steps per
-// promotion group; sa / sb: the row and column operands' scales, kMr per group of ga / gb
-// steps (null: not promoted); run(s0, s1) adds steps [s0, s1) to the C tiles.
-template <class Steps>
-void promote_groups(int64_t first, int64_t steps, int64_t group, const float* sa, int64_t ga, const float* sb,
-                    int64_t gb, Steps run, float* c, int64_t ldc, bool accumulate) {
-  // Group g's sums are promoted a slice of rows per step of group g + 1 (all of them by its
-  // last step, before part is stored again), so that the vector work sits between tile
-  // products in program order and overlaps them, rather than waiting for the group's store
-  // while the tiles wait for it.
-  // Each element still takes its groups' fmas in order: the same bits. FP8 (1,128,128)
-  // with f32 scales, 4096 x 2112 x 7168, 2 threads, alternated: 63.6-68.1 -> 61.1-65.5 ms
-  // (4096 x 24576 x 1536 even; the hint on A, which this made pay, gains more: t_b_streams).
-  alignas(64) float acc[kMr * kNr], part[kMr * kNr];
-  for (int i = 0; i < kMr; ++i)
-    for (int h = 0; h < 2; ++h)
-      _mm512_store_ps(acc + i * kNr + 16 * h, accumulate ? _mm512_loadu_ps(c + i * ldc + 16 * h) : _mm512_setzero_ps());
-  bool pending = false;  // part holds the previous group's sums, not yet promoted
-  const float *pending_sa = nullptr, *pending_sb = nullptr;
-  for (int64_t s0 = first; s0 < steps; s0 += group) {
-    const int64_t s1 = std::min(steps, s0 + group);
-    const int slice = static_cast<int>((kMr + (s1 - s0) - 1) / (s1 - s0));  // rows promoted per step
-    zero_c();
-    int r = 0;
-    for (int64_t s = s0; s < s1; ++s) {
-      run(s, s + 1);
-      if (pending && r < kMr) {
-        promote_rows(part, pending_sa, pending_sb, r, std::min(kMr, r + slice), acc);
-        r += slice;
-      }
-    }
-    store_c(part, kNr * 4);
-    pending = true;
-    pending_sa = sa ? sa + (s0 / ga) * kMr : nullptr;
-    pending_sb = sb ? sb + (s0 / gb) * kNr : nullptr;
-  }
-  if (pending) promote_rows(part, pending_sa, pending_sb, 0, kMr, acc);
-  for (int i = 0; i < kMr; ++i)
-    for (int h = 0; h < 2; ++h) _mm512_storeu_ps(c + i * ldc + 16 * h, _mm512_load_ps(acc + i * kNr + 16 * h));
-}
-
-// Promoted tiles in passes: each K group's sums (a tile's steps from zero) are promoted
-// into the tile's f32 sums in memory a slice of rows per step of the next group, whichever
-// tile that group belongs to, so that a pass ending does not wait for its last group's
-// promotion, as promote_groups, which keeps that pipeline within one run of a tile's steps,
-// does (in passes it measured slower than whole tiles). Each element takes its groups' fmas
-// in order, as promote_groups gives them: the same bits. What is pending must be promoted
-// (finish) before the sums are read or the scales it reads replaced.
+// Group g's sums are promoted a slice of rows per step of group g + 1, so that the vector
+// work sits between tile products in program order and overlaps them, rather than waiting
+// for the group's store while the tiles wait for it (FP8 (1,128,128) with f32 scales, 4096
+// x 2112 x 7168, 2 threads, alternated: 63.6-68.1 -> 61.1-65.5 ms; 4096 x 24576 x 1536
+// even; the hint on A, which this made pay, gains more: t_b_streams). Group g + 1 may
+// belong to another tile (passes over several tiles, medium_m): a pass ending then does not
+// wait for its last group's promotion either. Without that, promoted tiles had run slower
+// in passes than as whole tiles (4096 x 2112 x 7168: 70.3 against 63.6 ms). Each element
+// takes its groups' fmas in order: the same bits however the steps are split into runs.
+// What is pending must be promoted (finish) before the sums are read or the scales it
+// reads replaced.
 class PromotionPipe {
  public:
   // Steps [s0, s1) of a tile (whole promotion groups of `group` steps but the K block's
-  // last), scales as promote_groups takes them; run(t0, t1) adds steps [t0, t1) to the C
-  // tiles; acc: the tile's sums (32 x 32, row stride kNr, 64-byte aligned), accumulated
-  // onto, else from zero.
+  // last); sa / sb: the row and column operands' scales, kMr per group of ga / gb steps
+  // (null: not promoted); run(t0, t1) adds steps [t0, t1) to the C tiles; acc: the tile's
+  // sums (32 x 32, row stride kNr, 64-byte aligned), accumulated onto, else from zero.
   template <class Steps>
   void run(int64_t s0, int64_t s1, int64_t group, const float* sa, int64_t ga, const float* sb, int64_t gb, Steps steps,
            float* acc, bool accumulate) {
@@ -1178,48 +1141,63 @@ class PromotionPipe {
     }
     for (int64_t g0 = s0; g0 < s1; g0 += group) {
       const int64_t g1 = std::min(s1, g0 + group);
-      const int slice = static_cast<int>((kMr + (g1 - g0) - 1) / (g1 - g0));
+      const int slice = static_cast<int>((kMr + (g1 - g0) - 1) / (g1 - g0));  // rows promoted per step
       zero_c();
       for (int64_t s = g0; s < g1; ++s) {
         steps(s, s + 1);
         if (pending_ && row_ < kMr) {
-          promote_rows(part_[buffer_ ^ 1], sa_, sb_, row_, std::min(kMr, row_ + slice), acc_);
+          promote_rows(part_, sa_, sb_, row_, std::min(kMr, row_ + slice), acc_);
           row_ += slice;
         }
       }
-      finish();
-      store_c(part_[buffer_], kNr * 4);
+      finish();  // (before part_ is stored again)
+      store_c(part_, kNr * 4);
       pending_ = true, row_ = 0;
       sa_ = sa ? sa + (g0 / ga) * kMr : nullptr;
       sb_ = sb ? sb + (g0 / gb) * kNr : nullptr;
       acc_ = acc;
-      buffer_ ^= 1;
     }
   }
   void finish() {
-    if (pending_ && row_ < kMr) promote_rows(part_[buffer_ ^ 1], sa_, sb_, row_, kMr, acc_);
+    if (pending_ && row_ < kMr) promote_rows(part_, sa_, sb_, row_, kMr, acc_);
     pending_ = false, acc_ = nullptr;
   }
 
  private:
-  alignas(64) float part_[2][kMr * kNr];
-  int buffer_ = 0, row_ = 0;
+  alignas(64) float part_[kMr * kNr];  // the pending group's sums
+  int row_ = 0;  // its rows promoted so far
   bool pending_ = false;
   const float *sa_ = nullptr, *sb_ = nullptr;
   float* acc_ = nullptr;
 };
 
-// Steps [s0, s1) of a tile whose panels are kc deep.
-void promoted_tile(int64_t kc, const float* a, const float* b, int64_t s0, int64_t s1, float* c, int64_t ldc,
-                   bool accumulate) {
+// Steps [s0, s1) of the panels a and b (kc deep, at least one promoted) through `pipe`,
+// into acc (as PromotionPipe::run takes it).
+void run_promoted(PromotionPipe& pipe, int64_t kc, const float* a, const float* b, int64_t s0, int64_t s1, float* acc,
+                  bool accumulate) {
   const auto& ha = *reinterpret_cast<const PanelHeader*>(a);
   const auto& hb = *reinterpret_cast<const PanelHeader*>(b);
   const int64_t steps = step_count(kc);
   const int64_t ga = ha.promoted ? ha.group_steps : steps, gb = hb.promoted ? hb.group_steps : steps;
-  promote_groups(
-      s0, s1, std::min(ga, gb), ha.promoted ? a + scales_offset(kc) : nullptr, ga,
-      hb.promoted ? b + scales_offset(kc) : nullptr, gb,
-      [&](int64_t g0, int64_t g1) { run_hinted_steps(panel_steps(a), panel_steps(b), g0, g1); }, c, ldc, accumulate);
+  const uint8_t *as = panel_steps(a), *bs = panel_steps(b);
+  pipe.run(
+      s0, s1, std::min(ga, gb), ha.promoted ? a + scales_offset(kc) : nullptr, ga, hb.promoted ? b + scales_offset(kc) : nullptr,
+      gb, [&](int64_t t0, int64_t t1) { run_hinted_steps(as, bs, t0, t1); }, acc, accumulate);
+}
+
+// Steps [s0, s1) of a promoted tile whose panels are kc deep, as one run of its own (c: any
+// row stride), its sums gathered into an aligned block.
+void promoted_tile(int64_t kc, const float* a, const float* b, int64_t s0, int64_t s1, float* c, int64_t ldc,
+                   bool accumulate) {
+  alignas(64) float acc[kMr * kNr];
+  for (int i = 0; i < kMr; ++i)
+    for (int h = 0; h < 2; ++h)
+      _mm512_store_ps(acc + i * kNr + 16 * h, accumulate ? _mm512_loadu_ps(c + i * ldc + 16 * h) : _mm512_setzero_ps());
+  PromotionPipe pipe;
+  run_promoted(pipe, kc, a, b, s0, s1, acc, true);
+  pipe.finish();
+  for (int i = 0; i < kMr; ++i)
+    for (int h = 0; h < 2; ++h) _mm512_storeu_ps(c + i * ldc + 16 * h, _mm512_load_ps(acc + i * kNr + 16 * h));
 }
 
 void full_tile(int64_t kc, const float* a, const float* b, int64_t s0, int64_t s1, float* c, int64_t ldc,
@@ -1257,26 +1235,16 @@ thread_local PromotionPipe t_pipe;
 void settle_tiles() { t_pipe.finish(); }
 
 // GemmKernels::tile_steps: whole promoted tiles whose sums lie as the driver's partial-sum
-// buffers hold them (row stride kNr, aligned) go through the promotion pipe; the rest as
-// whole tiles do, after what is pending. Promoted tiles had run slower in passes than as
-// whole tiles (FP8 (1,128,128) f32 scales 4096 x 2112 x 7168, 2 threads: 70.3 against 63.6
-// ms) and so kept whole tiles; through the pipe, alternated minima against whole tiles:
-// 4096 x 2112 x 7168 63.2 -> 60.6 ms and 61.1 -> 59.1, 4096 x 4096 x 7168 115.3 -> 111.1,
-// 4096 x 24576 x 1536 150.4 -> 147.7, 4096 x 32768 x 512 75.3 -> 73.1, 4096 x 7168 x 2048
-// even (the same bits).
+// buffers hold them (row stride kNr, aligned) go through the passes' promotion pipe; the
+// rest as whole tiles do, after what is pending. Through the pipe, alternated minima
+// against whole tiles (FP8 (1,128,128) f32 scales, 2 threads): 4096 x 2112 x 7168 63.2 ->
+// 60.6 ms and 61.1 -> 59.1, 4096 x 4096 x 7168 115.3 -> 111.1, 4096 x 24576 x 1536 150.4 ->
+// 147.7, 4096 x 32768 x 512 75.3 -> 73.1, 4096 x 7168 x 2048 even (the same bits).
 void tile_steps(int64_t kc, const float* a, const float* b, int64_t k0, int64_t k1, float* c, int64_t ldc, int rows,
                 int cols, bool accumulate) {
-  const auto& ha = *reinterpret_cast<const PanelHeader*>(a);
-  const auto& hb = *reinterpret_cast<const PanelHeader*>(b);
-  if ((ha.promoted || hb.promoted) && rows == kMr && cols == kNr && ldc == kNr && reinterpret_cast<uintptr_t>(c) % 64 == 0) {
-    const int64_t steps = step_count(kc);
-    const int64_t ga = ha.promoted ? ha.group_steps : steps, gb = hb.promoted ? hb.group_steps : steps;
-    const uint8_t *as = panel_steps(a), *bs = panel_steps(b);
-    return t_pipe.run(
-        k0 / kStep, step_count(k1), std::min(ga, gb), ha.promoted ? a + scales_offset(kc) : nullptr, ga,
-        hb.promoted ? b + scales_offset(kc) : nullptr, gb, [&](int64_t t0, int64_t t1) { run_hinted_steps(as, bs, t0, t1); }, c,
-        accumulate);
-  }
+  const bool promoted = reinterpret_cast<const PanelHeader*>(a)->promoted || reinterpret_cast<const PanelHeader*>(b)->promoted;
+  if (promoted && rows == kMr && cols == kNr && ldc == kNr && reinterpret_cast<uintptr_t>(c) % 64 == 0)
+    return run_promoted(t_pipe, kc, a, b, k0 / kStep, step_count(k1), c, accumulate);
   t_pipe.finish();
   tile_steps_now(kc, a, b, k0, k1, c, ldc, rows, cols, accumulate);
 }
@@ -1797,10 +1765,12 @@ void stream_rows(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t
 // The row operand of a medium_m tile, 256 K at a time, as StripSource::chunk gives it:
 // plain bf16 rows where they are, or rows decoded into a buffer (FP8, and folded FP8 or FP4
 // scales, by the streaming path's row decoders).
+class AheadDecode;
 struct RowChunks {
   static_assert(kChunk == 8 * kStep);
   const uint8_t* at[kKc / kChunk];
   int64_t stride[kKc / kChunk];
+  AheadDecode* meanwhile = nullptr;  // the next micro-panel's decode, a share per tile step (null: none)
 };
 
 // The next micro-panel's chunks of one K block, decoded a few rows every kSlice tile steps
@@ -1874,12 +1844,11 @@ class AheadDecode {
   int list_[kChunks] = {};  // the chunks decoded by rows
   int count_ = 0, chunk_ = 0, row_ = 0, tick_ = 0, per_slice_ = 0;
 };
-thread_local AheadDecode* t_ahead = nullptr;
 
 // Steps [s0, s1) of a medium_m tile: weight rows as RowChunks against a B panel's steps.
 inline void rows_steps(const RowChunks& w, const uint8_t* bs, int64_t s0, int64_t s1) {
   NextPanelRequests* requests = t_tile_requests ? &*t_tile_requests : nullptr;
-  AheadDecode* ahead = t_ahead;
+  AheadDecode* ahead = w.meanwhile;
   for (int64_t s = s0; s < s1; ++s) {
     if (requests) requests->step();
     if (ahead) ahead->step();
@@ -1949,7 +1918,6 @@ void medium_m(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t n1
     return std::nullopt;
   };
   AheadDecode ahead;
-  t_ahead = &ahead;
   PromotionPipe pipe;
   int buffer = 0;  // the half of weights the current micro-panel's chunks are decoded into
   const int64_t half = kKc / kChunk * kMr * kChunkWords;
@@ -1966,6 +1934,7 @@ void medium_m(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t n1
         auto* words = reinterpret_cast<uint32_t*>(weights) + buffer * half;
         if (!ahead.holds(j0, pc)) ahead.begin(b, j0, rows, pc, kc, words, 1);
         ahead.take(chunks);
+        chunks.meanwhile = &ahead;
         pipe.finish();  // (before w_scales are replaced)
         if (b.promote) pack_scales(b, j0, rows, pc, kc, w_scales);
         // The next micro-panel is decoded during these tiles where it can be by rows, and
@@ -2021,7 +1990,6 @@ void medium_m(const GemmOperand& a, const GemmOperand& b, int64_t n0, int64_t n1
                          block_rows);
     sink(ctx, res, block_rows, jb, jb1 - jb);
   }
-  t_ahead = nullptr;
 }
 
 // ---------------------------------------------------------------- what the target takes
