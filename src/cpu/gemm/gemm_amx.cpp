@@ -1697,7 +1697,7 @@ void stream_small_m_tiles(const GemmOperand& a, const GemmOperand& b, int64_t n0
   // too, and gives the FMA paths' bits. (Measured on 2 cores of a Xeon with AMX, 1 x 7168
   // x 16384: bf16 weights 7.8 ms there, 8.4-8.7 on the tiles; FP4 weights 8.4-8.7 there,
   // 5.3-6.1 on the tiles, which take them.)
-  if (dot_row_takes(a, b)) return dot_row_small_m(a, b, n0, n1, out, ld_out);
+  if (dot_row_takes(a, b)) return dot_row_small_m(a, b, n0, n1, out, ld_out, kAmxFarBytes);
   if (a.mn == 1 && a.k_major && b.dtype != DType::e2m1x2 && (!b.sf || b.gran_k % 8 == 0))
     return gemm_kernels_avx512().small_m(a, b, n0, n1, out, ld_out);
   configure();
