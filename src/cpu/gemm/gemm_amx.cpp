@@ -457,7 +457,8 @@ bool chunk_shifts(const GemmOperand& op, const void* const* sf_rows, int rows, i
 // same values: FP8 x FP4 with packed ue8m0 scales, from DRAM, 2 threads, alternated medians:
 // 16 x 24576 x 1536 1.47-1.61 -> 1.41-1.51 ms, 16 x 4096 x 7168 1.05-1.08 -> 1.02-1.03, 16 x
 // 32768 x 512 0.80-0.81 -> 0.77. (The avx512_bf16 target's StreamDp decodes FP4 rows here too;
-// not measured on Zen 4.)
+// not measured on Zen 4. A host without VBMI, which no AMX host is, decodes them by
+// decode_words instead: StripSource::folded_e2m1_.)
 __attribute__((target("avx512bw,avx512vl,avx512vbmi"))) void e2m1_rows_to_bf16(const GemmOperand& op, int64_t i0, int rows,
                                                                                 int64_t k0, const int16_t* shift,
                                                                                 uint32_t* out) {
